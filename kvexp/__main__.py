@@ -1,0 +1,3 @@
+from kvexp.cli import entry
+
+entry()

@@ -1,0 +1,83 @@
+"""OpenAI-compatible streaming (SSE), shared by vLLM and llama.cpp.
+
+A chunk is a token arrival when it has a choice that is not the role-only opening chunk and either
+carries text or is an empty-text chunk that does not finish the stream (vLLM sends those when a token's
+text is still incomplete UTF-8). Token counts come from the final `usage` chunk, never from counting
+chunks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from kvexp.backends.base import Request, StreamEvent
+
+
+def completion_request(model: str, prompt: str | list[int], max_tokens: int, api: str,
+                       extra: dict[str, Any]) -> Request:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+        **extra,
+    }
+    if api == "chat":
+        if not isinstance(prompt, str):
+            raise ValueError("the chat API takes a text prompt")
+        body["messages"] = [{"role": "user", "content": prompt}]
+        return Request("/v1/chat/completions", body)
+    body["prompt"] = prompt
+    return Request("/v1/completions", body)
+
+
+def parse_sse_line(line: bytes) -> Optional[StreamEvent]:
+    line = line.strip()
+    if not line or line.startswith(b":"):
+        return None
+    if not line.startswith(b"data:"):
+        if line.startswith((b"event:", b"id:", b"retry:")):
+            return None
+        return StreamEvent(error=f"protocol: not an SSE data line: {line[:80]!r}")
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return StreamEvent(done=True)
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return StreamEvent(error=f"protocol: malformed JSON in stream: {payload[:80]!r}")
+    if not isinstance(data, dict):
+        return StreamEvent(error="protocol: stream chunk is not a JSON object")
+    if "error" in data:
+        err = data["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        return StreamEvent(error=f"server: {msg}")
+    content, text, finish = False, "", None
+    choices = data.get("choices") or []
+    if choices:
+        c = choices[0]
+        finish = c.get("finish_reason")
+        if "delta" in c:
+            delta = c.get("delta") or {}
+            piece = delta.get("content")
+            role_only = "role" in delta
+        else:
+            piece = c.get("text")
+            role_only = False
+        if isinstance(piece, str) and not role_only:
+            text = piece
+            content = bool(piece) or finish is None
+    usage = data.get("usage") or {}
+    timings = data.get("timings")
+    server_timings = None
+    if isinstance(timings, dict):
+        server_timings = {
+            k.replace("_ms", "_s"): float(v) / 1000.0
+            for k, v in timings.items() if k in ("prompt_ms", "predicted_ms") and v is not None
+        }
+    return StreamEvent(
+        content=content, text=text, finish_reason=finish,
+        prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"),
+        server_timings=server_timings,
+    )

@@ -1,0 +1,331 @@
+"""The command line: the only module that touches Hydra and OmegaConf.
+
+    python -m kvexp [-m] [group=option ...] [key=value ...]   run (or sweep) experiments
+    python -m kvexp validate FILE...                           check result files against the schema
+    python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
+    python -m kvexp plan [overrides]                           KV-capacity planner table
+    python -m kvexp install llamacpp|vllm                      one-time builds / installs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import OmegaConf
+
+from kvexp.config import ConfigError, ExperimentConfig, KVConfig, check_config, job_label, register_configs
+from kvexp.paths import data_dir
+
+log = logging.getLogger("kvexp")
+GROUPS = ("backend", "model", "kv", "scenario", "gpu")
+_FAILED: list[str] = []
+
+
+def safe_name(text: str) -> str:
+    """A label made safe for a file name."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
+
+
+if not OmegaConf.has_resolver("safe"):
+    OmegaConf.register_new_resolver("safe", safe_name)
+register_configs()
+
+
+# ---------------------------------------------------------------- composing and checking configs
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (data_dir("conf") / group).glob("*.yaml"))
+
+
+def kv_choices() -> dict[str, KVConfig]:
+    out = {}
+    for name in _options("kv"):
+        node = OmegaConf.merge(OmegaConf.structured(KVConfig),
+                               {k: v for k, v in OmegaConf.load(data_dir("conf") / "kv" / f"{name}.yaml").items()
+                                if k != "defaults"})
+        out[name] = OmegaConf.to_object(node)
+    return out
+
+
+def one_line_error(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
+    import dataclasses
+
+    from kvexp import config as schemas
+
+    cause = e.__cause__ or e
+    m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
+    if m and m.group(1) in GROUPS:
+        return f"{m.group(1)}={m.group(2)}: no such option; allowed values are {', '.join(_options(m.group(1)))}"
+    text = str(cause).strip()
+    first = text.splitlines()[0] if text else type(cause).__name__
+    full = getattr(cause, "full_key", None)
+    m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
+    if m:
+        schema = getattr(schemas, m.group(2), None)
+        keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
+        return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
+    return f"{full}: {first}" if full else first
+
+
+def sweep_overrides(overrides: list[str]) -> list[list[str]]:
+    """Expand comma lists (multirun sweeps) into one override list per job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def compose(overrides: list[str]) -> ExperimentConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides)
+    return to_experiment(node)
+
+
+def to_experiment(node: Any) -> ExperimentConfig:
+    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
+    return OmegaConf.to_object(node)
+
+
+def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
+    """Every job of a sweep, composed and checked; raises ConfigError with one line."""
+    try:
+        combos = sweep_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(one_line_error(e)) from None
+    out = []
+    for combo in combos:
+        try:
+            cfg = compose(combo)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(one_line_error(e)) from None
+        out.append((combo, cfg))
+    return out
+
+
+def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig]) -> Optional[str]:
+    """None when the job can run; the reason when it is an unsupported pair to skip."""
+    try:
+        check_config(cfg, kvs)
+    except ConfigError as e:
+        if cfg.unsupported == "skip" and str(e).startswith("kv="):
+            return str(e)
+        raise
+    return None
+
+
+# ---------------------------------------------------------------- the experiment (Hydra app)
+def run_experiment(argv: list[str]) -> int:
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        from kvexp.runner import server_program
+
+        kvs = kv_choices()
+        for _, cfg in compose_all(overrides):
+            if check(cfg, kvs) is None:
+                server_program(cfg)
+    except ConfigError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    import hydra
+
+    @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
+    def app(node: Any) -> None:
+        _task(node)
+
+    sys.argv = [sys.argv[0], *argv]
+    app()
+    if _FAILED:
+        print(f"kvexp: {len(_FAILED)} job(s) failed: {', '.join(_FAILED)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _task(node: Any) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from kvexp.runner import run_job, skipped_result
+    from kvexp.summary import write_job_summary
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    cfg = to_experiment(node)
+    cfg.output_dir = str(out_dir)
+    label = job_label(cfg)
+    try:
+        reason = check(cfg, kv_choices())
+        if reason:
+            log.warning("%s: skipped: %s", label, reason)
+            result = skipped_result(cfg, out_dir, reason)
+        else:
+            log.info("%s: starting (output in %s)", label, out_dir)
+            result = run_job(cfg, out_dir, LogObserver(label))
+        write_job_summary(result, out_dir)
+        log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+    except Exception as e:
+        if not _is_known(e):
+            raise  # a bug in kvexp: keep the traceback
+        _FAILED.append(label)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.error("%s: failed: %s (see %s)", label, first, out_dir)
+
+
+def _is_known(e: BaseException) -> bool:
+    import aiohttp
+
+    from kvexp.backends.base import BackendError
+
+    return isinstance(e, (BackendError, ConfigError, OSError, aiohttp.ClientError, RuntimeError))
+
+
+class LogObserver:
+    """Plain log lines per level (the measurement code never formats output itself)."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def level_started(self, level: float, total: int, repeat: int) -> None:
+        log.info("%s: level %g: %d requests%s", self.label, level, total, f" (repeat {repeat + 1})" if repeat else "")
+
+    def request_done(self, record: Any) -> None:
+        pass
+
+    def level_done(self, level: float, s: dict[str, Any]) -> None:
+        log.info("%s: level %g: %s tok/s, TTFT p50 %s ms, TPOT p50 %s ms, errors %d/%d%s", self.label, level,
+                 s["throughput_tok_s"], s["ttft_p50_ms"], s["tpot_p50_ms"], s["errors"], s["requests"],
+                 "" if s["status"] == "ok" else " (FAILED)")
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object  # type: ignore
+
+
+class SweepCallback(Callback):  # type: ignore[misc]
+    """At the end of a multirun: stop the kept server, then summarise the sweep."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from kvexp.runner import POOL
+        from kvexp.summary import write_sweep_outputs
+
+        POOL.release()
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            written = write_sweep_outputs(sweep_dir)
+            for p in written:
+                log.info("sweep: wrote %s", p)
+        except Exception as e:  # the measurements are on disk whatever happens here
+            log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
+
+    def on_run_end(self, config: Any, **kwargs: Any) -> None:
+        from kvexp.runner import POOL
+
+        POOL.release()
+
+
+# ---------------------------------------------------------------- subcommands
+def cmd_validate(argv: list[str]) -> int:
+    from kvexp.validate import check_file
+
+    ap = argparse.ArgumentParser(prog="kvexp validate", description="Validate kvexp result files.")
+    ap.add_argument("files", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    bad = 0
+    for f in args.files:
+        errs = check_file(f)
+        for e in errs:
+            print(e)
+        if errs:
+            bad += 1
+        else:
+            print(f"{f}: valid")
+    return 1 if bad else 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    from kvexp.report import render_report
+    from kvexp.results import ResultError, collect
+
+    ap = argparse.ArgumentParser(prog="kvexp report", description="Render a comparison report.")
+    ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<time>)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    try:
+        agg = collect(args.paths)
+    except ResultError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    out = args.out or Path("outputs/reports") / _stamp()
+    out.mkdir(parents=True, exist_ok=True)
+    written = render_report(agg, out, title=args.title)
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from kvexp.calibration import load_calibration
+    from kvexp.planner import plan_table
+
+    try:
+        cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
+    except ConfigError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    print(plan_table(cfgs, load_calibration()))
+    return 0
+
+
+def cmd_install(argv: list[str]) -> int:
+    from kvexp import install
+
+    ap = argparse.ArgumentParser(prog="kvexp install", description="One-time installs of the servers kvexp runs.")
+    ap.add_argument("what", choices=["llamacpp", "vllm"])
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+    if args.what == "llamacpp":
+        install.build_llama_server(force=args.force)
+    else:
+        install.install_vllm(force=args.force)
+    return 0
+
+
+def _stamp() -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
+}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    return run_experiment(argv)
+
+
+def entry() -> None:
+    sys.exit(main())

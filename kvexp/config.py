@@ -1,0 +1,200 @@
+"""Typed configuration: the schemas live here, the choices live in conf/*.yaml.
+
+Hydra composes YAML over these dataclasses (a typo or a wrong type fails at compose time); the CLI
+converts the result with OmegaConf.to_object and everything below it receives these objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+BACKENDS = ("llamacpp", "vllm", "ollama")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the key and what is allowed."""
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+    # Attach to a running server instead of launching one (e.g. http://127.0.0.1:8080).
+    endpoint: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # None: a free port is chosen
+    # Name of an environment variable holding an API key for a remote endpoint (never written out).
+    api_key_env: Optional[str] = None
+    ready_timeout_s: float = 120.0
+    stop_grace_s: float = 10.0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Concurrent sequences the server runs at once (llama.cpp -np, vLLM --max-num-seqs,
+    # Ollama OLLAMA_NUM_PARALLEL). None: the backend's own default / derived from the scenario.
+    parallel: Optional[int] = None
+    # Context length (llama.cpp total -c; vLLM --max-model-len; Ollama OLLAMA_CONTEXT_LENGTH).
+    context: Optional[int] = None
+
+
+@dataclass
+class LlamaCppConfig(BackendConfig):
+    name: str = "llamacpp"
+    binary: Optional[str] = None  # path or name on PATH; None: PATH, then kvexp's cached build
+    threads: Optional[int] = None
+    n_gpu_layers: Optional[int] = None
+    flash_attn: str = "on"  # on | off | auto
+
+
+@dataclass
+class VLLMConfig(BackendConfig):
+    name: str = "vllm"
+    python: Optional[str] = None  # interpreter with vLLM installed; None: kvexp's venv, then sys.executable
+    dtype: Optional[str] = None  # model dtype (--dtype)
+    gpu_memory_utilization: Optional[float] = 0.9
+    kv_cache_memory_bytes: Optional[int] = None
+    block_size: Optional[int] = None
+    enforce_eager: bool = False
+
+
+@dataclass
+class OllamaConfig(BackendConfig):
+    name: str = "ollama"
+    binary: Optional[str] = None  # `ollama` on PATH by default
+    flash_attention: bool = True
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # What each backend serves. "@tiny" means the tiny model kvexp makes itself.
+    gguf: Optional[str] = None  # llama.cpp: path to a .gguf file
+    hf: Optional[str] = None  # vLLM: local directory or Hugging Face id
+    ollama: Optional[str] = None  # Ollama: model tag
+    # Architecture for the planner (presets); None: read from the model files where possible.
+    n_layers: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    params_b: Optional[float] = None
+    weights_gib: Optional[float] = None
+    weight_bits: Optional[float] = None  # bits per parameter of the weights (e.g. 4.5 for Q4_K_M)
+
+
+@dataclass
+class KVConfig:
+    name: str = MISSING  # portable name: fp16, bf16, fp8, q8_0, q4_0
+    bytes_per_element: float = MISSING
+    # The backend's own spelling of this dtype; a backend missing here cannot use it.
+    per_backend: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ScenarioConfig:
+    name: str = MISSING
+    prompt_tokens: int = MISSING
+    max_tokens: int = MISSING
+    concurrency: list[int] = field(default_factory=list)
+    # Open-loop levels (requests/s); used instead of concurrency when non-empty.
+    rates: list[float] = field(default_factory=list)
+    arrival: str = "constant"  # constant | poisson (open loop only)
+    max_concurrency: Optional[int] = None  # cap on in-flight requests for open-loop levels
+    requests: int = MISSING  # measured requests per level
+    warmup_requests: int = 1
+    repeats: int = 1
+    api: str = "completions"  # completions | chat
+    request_timeout_s: float = 600.0
+    stall_timeout_s: float = 120.0  # no bytes for this long: the request is a timeout
+    seed: int = 0
+    # Service-level objectives for goodput (None: not used).
+    slo_ttft_ms: Optional[float] = None
+    slo_tpot_ms: Optional[float] = None
+    max_error_rate: float = 0.1  # a level above this error rate is marked failed
+
+
+@dataclass
+class GPUConfig:
+    name: Optional[str] = None  # None: read from NVML
+    memory_gib: Optional[float] = None  # None: read from NVML
+    index: int = 0
+    sample_interval_s: float = 0.1
+
+
+@dataclass
+class ExperimentConfig:
+    backend: BackendConfig = MISSING
+    model: ModelConfig = MISSING
+    kv: KVConfig = MISSING
+    scenario: ScenarioConfig = MISSING
+    gpu: GPUConfig = field(default_factory=GPUConfig)
+    # What to do with a backend/kv pair that cannot run: error (stop at start) or skip (record why).
+    unsupported: str = "error"
+    resume: bool = False
+    output_dir: str = "."  # set by Hydra to the job folder
+    label: Optional[str] = None
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="experiment_schema", node=ExperimentConfig)
+    cs.store(group="backend", name="llamacpp_schema", node=LlamaCppConfig)
+    cs.store(group="backend", name="vllm_schema", node=VLLMConfig)
+    cs.store(group="backend", name="ollama_schema", node=OllamaConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="kv", name="kv_schema", node=KVConfig)
+    cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)
+    cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
+    """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
+    b, s, kv = cfg.backend, cfg.scenario, cfg.kv
+    _require(b.name in BACKENDS, f"backend.name={b.name!r}: allowed values are {', '.join(BACKENDS)}")
+    _require(cfg.unsupported in ("error", "skip"),
+             f"unsupported={cfg.unsupported!r}: allowed values are error, skip")
+    _require(s.prompt_tokens >= 1, f"scenario.prompt_tokens={s.prompt_tokens}: must be >= 1")
+    _require(s.max_tokens >= 1, f"scenario.max_tokens={s.max_tokens}: must be >= 1")
+    _require(s.requests >= 1, f"scenario.requests={s.requests}: must be >= 1")
+    _require(s.warmup_requests >= 0, f"scenario.warmup_requests={s.warmup_requests}: must be >= 0")
+    _require(s.repeats >= 1, f"scenario.repeats={s.repeats}: must be >= 1")
+    _require(bool(s.concurrency) or bool(s.rates),
+             f"scenario {s.name}: give scenario.concurrency (e.g. [1,4,16]) or scenario.rates")
+    _require(all(c >= 1 for c in s.concurrency),
+             f"scenario.concurrency={list(s.concurrency)}: every level must be an integer >= 1")
+    _require(all(r > 0 for r in s.rates), f"scenario.rates={list(s.rates)}: every rate must be > 0")
+    _require(s.api in ("completions", "chat"), f"scenario.api={s.api!r}: allowed values are completions, chat")
+    _require(s.arrival in ("constant", "poisson"),
+             f"scenario.arrival={s.arrival!r}: allowed values are constant, poisson")
+    _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
+    check_kv(b.name, kv, kv_choices)
+
+
+def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
+    if backend in kv.per_backend:
+        return
+    allowed = sorted(n for n, k in (kv_choices or {}).items() if backend in k.per_backend)
+    hint = f" (allowed for {backend}: {', '.join(allowed)})" if allowed else ""
+    raise ConfigError(f"kv={kv.name} is not available on backend={backend}{hint}")
+
+
+def job_label(cfg: ExperimentConfig) -> str:
+    return cfg.label or f"{cfg.backend.name}-{cfg.model.name}-{cfg.kv.name}-{cfg.scenario.name}"
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclass tree -> JSON-ready dict (for results)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj

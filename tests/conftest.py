@@ -1,0 +1,58 @@
+"""Shared fixtures: the real llama-server (built once by `python -m kvexp install llamacpp`) and the
+tiny GGUF kvexp writes itself."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT.parent / "shared" / "reference" / "rtx5070ti-qwen2.5-7b.json"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def reference_path() -> Path:
+    local = FIXTURES / "rtx5070ti-qwen2.5-7b.json"
+    return local if local.is_file() else REFERENCE
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    from kvexp.install import find_llama_server
+
+    found = find_llama_server()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama-server is missing in CI: .ci/run must run `python -m kvexp install llamacpp`")
+        pytest.skip("llama-server not installed: run `python -m kvexp install llamacpp`")
+    return found
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf() -> Path:
+    from kvexp.tinymodels import ensure_tiny_gguf
+
+    return ensure_tiny_gguf()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_servers():
+    """No server kvexp started may outlive a test."""
+    yield
+    from kvexp.backends import process
+
+    leftover = [s.argv[0] for s in process._LIVE]
+    process.stop_all()
+    assert not leftover, f"servers left running after the test: {leftover}"
+
+
+def pgrep(pattern: str) -> list[str]:
+    if not shutil.which("pgrep"):
+        return []
+    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "pgrep" not in ln and "pytest" not in ln]

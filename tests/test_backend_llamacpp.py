@@ -1,0 +1,127 @@
+"""llama.cpp adapter: parsers on recorded bytes, then the real llama-server on the tiny GGUF."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
+from kvexp.backends.openai import parse_sse_line
+from kvexp.backends.process import ServerProcess, free_port
+from kvexp.cli import compose
+from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.prompts import exact_text, token_pool, token_prompts
+
+FX = Path(__file__).parent / "fixtures" / "llamacpp"
+
+
+def events(name: str):
+    return [e for line in (FX / name).read_bytes().splitlines() if (e := parse_sse_line(line)) is not None]
+
+
+def test_completions_stream_parses():
+    ev = events("sse_completions.txt")
+    assert sum(e.content for e in ev) == 5  # five characters; the final empty-text chunk is no token
+    final = [e for e in ev if e.output_tokens is not None][0]
+    assert (final.prompt_tokens, final.output_tokens, final.finish_reason) == (20, 5, "length")
+    assert final.server_timings == pytest.approx({"prompt_s": 0.000671, "predicted_s": 0.001266})
+    assert ev[-1].done
+
+
+def test_chat_stream_parses_without_counting_the_role_chunk():
+    ev = events("sse_chat_completions.txt")
+    assert sum(e.content for e in ev) == 8
+    assert [e.output_tokens for e in ev if e.output_tokens is not None] == [8]
+    assert ev[-1].done
+
+
+def test_bad_lines_are_protocol_errors():
+    assert parse_sse_line(b"data: {not json").error.startswith("protocol: malformed JSON")
+    assert parse_sse_line(b"<html>").error.startswith("protocol: not an SSE data line")
+    assert parse_sse_line(b'data: {"error": {"message": "boom"}}').error == "server: boom"
+    assert parse_sse_line(b"") is None and parse_sse_line(b": keep-alive") is None
+
+
+def test_kv_log_line_every_type():
+    for line in (FX / "kv_cache_sizes_by_type.txt").read_text().splitlines():
+        if not line.startswith(("f16", "q8_0", "q4_0")):
+            continue
+        dtype = line.split(":")[0]
+        info = parse_kv_log("llama_kv_cache: size = " + line.split("size =", 1)[1])
+        assert info.dtype == dtype and info.capacity_tokens == 1024 and info.seqs == 4
+    q8 = parse_kv_log("llama_kv_cache: size =    1.06 MiB (  1024 cells,   2 layers,  4/4 seqs), "
+                      "K (q8_0):    0.53 MiB, V (q8_0):    0.53 MiB")
+    # 2 layers x 1024 cells x 64 K+V elements x 34/32 bytes = 139264 B per K or V = 0.133 MiB ... x2 layers
+    assert q8.bytes == round(1.06 * 2**20)
+    mixed = parse_kv_log((FX / "kv_cache_sizes_by_type.txt").read_text().splitlines()[-1])
+    assert (mixed.dtype, mixed.dtype_k, mixed.dtype_v, mixed.capacity_tokens) == ("q8_0/f16", "q8_0", "f16", 4096)
+    assert parse_kv_log("no such line") is None
+
+
+def test_real_log_sample():
+    info = parse_kv_log((FX / "server-log-lv4-sample.txt").read_text())
+    assert (info.dtype, info.capacity_tokens, info.seqs) == ("f16", 512, 1)
+
+
+def test_slots_usage():
+    busy = json.loads((FX / "slots_busy.json").read_text())
+    assert slots_usage(busy) == pytest.approx((756 + 752) / 4096)
+    assert slots_usage(json.loads((FX / "slots_idle.json").read_text())) == 0.0
+    assert slots_usage([]) is None
+
+
+def test_launch_argv_maps_kv_and_slots():
+    cfg = compose(["kv=q8_0", "scenario.concurrency=[1,4]"])
+    argv = LlamaCpp(cfg, "/m.gguf", "/bin/llama-server").launch_argv(1234)
+    assert argv[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
+    for flag, value in (("-ctk", "q8_0"), ("-ctv", "q8_0"), ("-np", "4"), ("-c", str(4 * (32 + 16 + 16))),
+                        ("--port", "1234"), ("--host", "127.0.0.1"), ("-fa", "on"), ("-lv", "4")):
+        assert argv[argv.index(flag) + 1] == value
+    assert "--metrics" in argv and "--slots" in argv
+
+
+@pytest.fixture
+def server(llama_server, tiny_gguf, tmp_path):
+    cfg = compose(["kv=q8_0", "scenario.concurrency=[2]"])
+    be = LlamaCpp(cfg, str(tiny_gguf), str(llama_server))
+    port = free_port()
+    proc = ServerProcess(be.launch_argv(port), be.launch_env(), tmp_path / "server.log", "llama-server")
+    proc.start()
+    try:
+        proc.wait_ready(f"http://127.0.0.1:{port}/health", 30)
+        be.base_url = f"http://127.0.0.1:{port}"
+        yield be, proc
+    finally:
+        proc.stop()
+    assert proc.exited() is not None
+
+
+def test_real_server_exact_prompts_forced_output_and_kv(server):
+    be, proc = server
+
+    async def go():
+        async with make_session(be.base_url, 4, 60, 30) as s:
+            kv = await be.kv_cache(s, proc.log_path.read_text())
+            pool = await token_pool(be, s, 0)
+            lg = LoadGenerator(s, be)
+            recs = []
+            for i, p in enumerate(token_prompts(pool, 3, 50, 1)):
+                recs.append(await lg.send(be.request(p, 12, "completions"), RequestRecord(index=i, level=1)))
+            text = await exact_text(be.chat_prompt_tokens, 40, __import__("random").Random(3), s)
+            chat = await lg.send(be.request(text, 7, "chat"), RequestRecord(index=9, level=1))
+            usage = (await be.poll(s)).kv_usage
+            return kv, recs, chat, await be.version(s), usage
+
+    kv, recs, chat, version, usage = asyncio.run(go())
+    assert (kv.dtype, kv.dtype_k, kv.dtype_v) == ("q8_0", "q8_0", "q8_0")
+    assert kv.capacity_tokens == 2 * (32 + 16 + 16) and kv.seqs == 2
+    for r in recs:
+        assert r.ok, r.error
+        assert r.prompt_tokens == 50 and r.output_tokens == 12
+        assert len(r.token_times_s) == 12 and r.first_token_s > r.sent_s
+    assert chat.ok and chat.prompt_tokens == 40 and chat.output_tokens == 7
+    assert version
+    assert usage == 0.0  # idle after the requests

@@ -1,0 +1,100 @@
+"""The whole path through Hydra on the real llama-server: `python -m kvexp -m kv=fp16,q8_0 scenario=smoke`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvexp.validate import check_file
+
+from .conftest import ROOT, pgrep
+
+
+def run_kvexp(args, cwd: Path, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvexp", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep(llama_server, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("sweep")
+    p = run_kvexp(["-m", "kv=fp16,q8_0", "scenario=smoke", f"backend.binary={llama_server}"], cwd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sweeps = list((cwd / "outputs" / "sweeps").iterdir())
+    assert len(sweeps) == 1
+    return sweeps[0], p
+
+
+def jobs(sweep_dir: Path) -> list[Path]:
+    return sorted(d for d in sweep_dir.iterdir() if (d / "result.json").is_file())
+
+
+def test_two_jobs_with_readable_names(sweep):
+    sweep_dir, _ = sweep
+    names = [d.name for d in jobs(sweep_dir)]
+    assert names == ["0_llamacpp-tiny-fp16-smoke", "1_llamacpp-tiny-q8_0-smoke"]
+
+
+def test_files_validate(sweep):
+    sweep_dir, _ = sweep
+    for d in jobs(sweep_dir):
+        for f in ("result.json", "requests.jsonl"):
+            assert check_file(d / f) == [], f
+        assert (d / "summary.md").read_text().startswith("# kvexp job: llamacpp-tiny-")
+        assert (d / "server.log").stat().st_size > 0
+    assert check_file(sweep_dir / "sweep.json") == []
+    assert "| llamacpp-tiny-q8_0-smoke |" in (sweep_dir / "summary.md").read_text()
+
+
+def test_kv_types_are_the_servers_own(sweep):
+    sweep_dir, _ = sweep
+    reported = []
+    for d in jobs(sweep_dir):
+        r = json.loads((d / "result.json").read_text())
+        assert r["status"] == "complete"
+        assert "server log: llama_kv_cache size line" in r["kv_cache"]["source"]
+        reported.append((r["kv"]["requested"], r["kv_cache"]["dtype"], r["kv_cache"]["dtype_k"], r["kv_cache"]["dtype_v"]))
+        assert r["kv_cache"]["capacity_tokens"] == 2 * (32 + 16 + 16)
+    assert reported == [("fp16", "f16", "f16", "f16"), ("q8_0", "q8_0", "q8_0", "q8_0")]
+
+
+def test_measurements(sweep):
+    sweep_dir, _ = sweep
+    for d in jobs(sweep_dir):
+        r = json.loads((d / "result.json").read_text())
+        assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
+        for lv in r["levels"]:
+            assert lv["errors"] == 0 and lv["requests"] == 8
+            assert lv["throughput_tok_s"] > 0 and lv["ttft_p50_ms"] > 0 and lv["tpot_p50_ms"] > 0
+            assert lv["mean_prompt_tokens"] == 32 and lv["mean_output_tokens"] == 16
+            assert lv["peak_rss_gib"] > 0  # a CPU run still has a memory figure
+            assert lv["peak_vram_gib"] is None  # no NVIDIA driver here: null, not 0
+        reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
+        measured = [q for q in reqs if not q["warmup"]]
+        assert len(measured) == 16 and len(reqs) == 17
+        assert all(q["prompt_tokens"] == 32 and q["output_tokens"] == 16 for q in measured)
+        assert all(len(q["token_times_s"]) == 16 for q in measured)
+
+
+def test_no_server_left(sweep):
+    assert not pgrep("llama-server")
+
+
+def test_single_default_run(llama_server, tmp_path):
+    p = run_kvexp([f"backend.binary={llama_server}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    assert run_dir.name.endswith("_llamacpp-tiny-fp16-smoke")
+    assert check_file(run_dir / "result.json") == []
+    assert not pgrep("llama-server")
+
+
+def test_missing_llama_server_says_how_to_get_it(tmp_path):
+    p = run_kvexp(["backend.binary=/nonexistent/llama-server"], tmp_path)
+    assert p.returncode == 1
+    assert "python -m kvexp install llamacpp" in p.stderr
+    assert "Traceback" not in p.stderr
