@@ -83,6 +83,11 @@ class LoadGenerator:
         self.streamer = streamer
         self.observer = observer or NullObserver()
         self.origin = time.perf_counter()
+        # llama-server closes the connection after every streamed response; saying so up front keeps
+        # aiohttp from reusing a socket the server is closing (a false connection error)
+        self.headers = {"Content-Type": "application/json"}
+        if not getattr(streamer, "stream_keepalive", True):
+            self.headers["Connection"] = "close"
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
@@ -90,7 +95,7 @@ class LoadGenerator:
     async def send(self, req: Request, rec: RequestRecord) -> RequestRecord:
         """Send one streaming request and time it. Never raises for a failed request."""
         data = json.dumps(req.body).encode()
-        headers = {"Content-Type": "application/json"}
+        headers = self.headers
         parse = self.streamer.parse_line
         perf = time.perf_counter
         origin = self.origin
@@ -106,7 +111,7 @@ class LoadGenerator:
                     async for line in resp.content:
                         t = perf() - origin
                         ev = parse(line)
-                        if ev is None:
+                        if ev is None or saw_done:
                             continue
                         if ev.error:
                             rec.error_kind = "protocol"
@@ -125,8 +130,7 @@ class LoadGenerator:
                         if ev.server_timings:
                             rec.server_timings = ev.server_timings
                         if ev.done:
-                            saw_done = True
-                            break
+                            saw_done = True  # read on to the end, so the connection can be reused
                     if rec.error_kind is None and not saw_done:
                         rec.error_kind, rec.error = "protocol", "stream ended before its final event"
         except asyncio.TimeoutError:

@@ -218,6 +218,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         asyncio.run(_measure(job, backend, server, observer))
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
         res["status"] = "complete" if not failed else "partial"
+        _learn(res)
         if failed:
             res["status_reason"] = f"{len(failed)} level(s) failed: " + "; ".join(
                 lv.get("status_reason") or "" for lv in failed)
@@ -253,7 +254,7 @@ async def _measure(job: Job, backend: Backend, server: Optional[_Server], observ
         _record_kv(res, kv, backend)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(cfg, backend, kv)
+        res["planner"] = _planner_block(cfg, res, getattr(backend, "model_path", None))
         lg = LoadGenerator(session, backend, observer)
         maker = await PromptMaker.create(backend, session, s.prompt_tokens, s.api, s.seed)
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
@@ -431,6 +432,8 @@ def _warnings(level: dict[str, Any], records: list[RequestRecord], s: Any, force
     p50, p95 = level.get("ttft_p50_ms"), level.get("ttft_p95_ms")
     if p50 and p95 and p95 > 3 * p50:
         w.append(f"wide TTFT spread: p95 {p95:.1f} ms is over 3x p50 {p50:.1f} ms")
+    if level["peak_kv_cache_usage"] is not None and level["kv_usage_samples"] < 5:
+        w.append(f"KV usage was sampled only {level['kv_usage_samples']} times in this level: its peak is a lower bound")
     if level["client_limited"]:
         w.append(f"client event loop lagged {level['loop_lag_p99_ms']} ms (p99): the client may have limited this level")
     return w
@@ -467,8 +470,26 @@ def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Backend) -> None:
                            f"{asked!r} on {backend.name}")
 
 
-def _planner_block(cfg: ExperimentConfig, backend: Backend, kv: KVCacheInfo) -> Optional[dict[str, Any]]:
-    return None
+def _planner_block(cfg: ExperimentConfig, res: dict[str, Any], model_path: Optional[str]) -> Optional[dict[str, Any]]:
+    """The planner's prediction for this job, beside what will be measured (None if it cannot plan)."""
+    from kvexp import calibration, planner
+
+    try:
+        return planner.plan_for_job(cfg, model_path=model_path, gpu_name=res["gpu"]["name"],
+                                    gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load())
+    except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
+        log.warning("planner: no prediction for %s: %s", res["label"], e)
+        return None
+
+
+def _learn(res: dict[str, Any]) -> None:
+    """Feed a finished job's engine-reported capacity into the calibration file."""
+    from kvexp import calibration
+
+    try:
+        calibration.update([res])
+    except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
+        log.warning("calibration: not updated from %s: %s", res["label"], e)
 
 
 def skipped_result(cfg: ExperimentConfig, out_dir: Path, reason: str) -> dict[str, Any]:

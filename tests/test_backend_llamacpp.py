@@ -51,11 +51,12 @@ def test_kv_log_line_every_type():
             continue
         dtype = line.split(":")[0]
         info = parse_kv_log("llama_kv_cache: size = " + line.split("size =", 1)[1])
-        assert info.dtype == dtype and info.capacity_tokens == 1024 and info.seqs == 4
+        assert info.dtype == dtype and info.capacity_tokens == 4 * 1024 and info.seqs == 4  # 4 streams
     q8 = parse_kv_log("llama_kv_cache: size =    1.06 MiB (  1024 cells,   2 layers,  4/4 seqs), "
                       "K (q8_0):    0.53 MiB, V (q8_0):    0.53 MiB")
-    # 2 layers x 1024 cells x 64 K+V elements x 34/32 bytes = 139264 B per K or V = 0.133 MiB ... x2 layers
+    # 4 streams x 1024 cells x 2 layers x (64 K + 64 V elements) x 34/32 bytes = 1.0625 MiB
     assert q8.bytes == round(1.06 * 2**20)
+    assert q8.capacity_tokens * 2 * 128 * 34 / 32 == 1.0625 * 2**20
     mixed = parse_kv_log((FX / "kv_cache_sizes_by_type.txt").read_text().splitlines()[-1])
     assert (mixed.dtype, mixed.dtype_k, mixed.dtype_v, mixed.capacity_tokens) == ("q8_0/f16", "q8_0", "f16", 4096)
     assert parse_kv_log("no such line") is None
@@ -117,7 +118,7 @@ def test_real_server_exact_prompts_forced_output_and_kv(server):
 
     kv, recs, chat, version, usage = asyncio.run(go())
     assert (kv.dtype, kv.dtype_k, kv.dtype_v) == ("q8_0", "q8_0", "q8_0")
-    assert kv.capacity_tokens == 2 * (32 + 16 + 16) and kv.seqs == 2
+    assert kv.capacity_tokens == 512 and kv.seqs == 2  # -c 128 -np 2: 2 x 64, each padded to 256 cells
     for r in recs:
         assert r.ok, r.error
         assert r.prompt_tokens == 50 and r.output_tokens == 12

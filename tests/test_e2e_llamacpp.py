@@ -11,7 +11,7 @@ import pytest
 
 from kvexp.validate import check_file
 
-from .conftest import ROOT, pgrep
+from conftest import pgrep
 
 
 def run_kvexp(args, cwd: Path, timeout=300):
@@ -56,9 +56,10 @@ def test_kv_types_are_the_servers_own(sweep):
     for d in jobs(sweep_dir):
         r = json.loads((d / "result.json").read_text())
         assert r["status"] == "complete"
-        assert "server log: llama_kv_cache size line" in r["kv_cache"]["source"]
+        assert "server log: llama_kv_cache size line (cells x streams)" in r["kv_cache"]["source"]
         reported.append((r["kv"]["requested"], r["kv_cache"]["dtype"], r["kv_cache"]["dtype_k"], r["kv_cache"]["dtype_v"]))
-        assert r["kv_cache"]["capacity_tokens"] == 2 * (32 + 16 + 16)
+        assert r["kv_cache"]["capacity_tokens"] == 512  # -c 128 -np 2: 2 slots x 64, each padded to 256 cells
+        assert r["planner"]["capacity_tokens"] == 512
     assert reported == [("fp16", "f16", "f16", "f16"), ("q8_0", "q8_0", "q8_0", "q8_0")]
 
 

@@ -66,6 +66,7 @@ class Request:
 class Backend(Protocol):
     name: str
     forces_output_length: bool  # False: output length can only be capped (Ollama)
+    stream_keepalive: bool  # False: the server closes the connection after each streamed response
 
     # Launch (not called when attaching to an endpoint)
     def launch_argv(self, port: int) -> list[str]: ...

@@ -25,15 +25,19 @@ MIB = 1 << 20
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
-    """The last llama_kv_cache size line of a llama-server log (the context's own cache)."""
+    """The last llama_kv_cache size line of a llama-server log (the context's own cache).
+
+    The line reads `(<cells> cells, <layers> layers, <seq_max>/<streams> seqs)`: the cells are per
+    stream, and with -np N (no unified cache) every slot has a stream of its own, so the cache holds
+    cells x streams tokens; the size in MiB is the total."""
     matches = KV_LINE.findall(log_text)
     if not matches:
         return None
-    size, cells, _layers, seqs, _seqmax, k, _ks, v, _vs = matches[-1]
+    size, cells, _layers, seq_max, streams, k, _ks, v, _vs = matches[-1]
     return KVCacheInfo(
         dtype=k if k == v else f"{k}/{v}", dtype_k=k, dtype_v=v,
-        capacity_tokens=int(cells), bytes=round(float(size) * MIB), seqs=int(seqs),
-        source=["server log: llama_kv_cache size line"],
+        capacity_tokens=int(cells) * int(streams), bytes=round(float(size) * MIB), seqs=int(seq_max),
+        source=["server log: llama_kv_cache size line (cells x streams)"],
     )
 
 
@@ -55,6 +59,7 @@ class LlamaCpp:
     name = "llamacpp"
     forces_output_length = True
     health_path = "/health"
+    stream_keepalive = False  # the server closes the connection after each streamed response
 
     def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], binary: Optional[str]):
         assert isinstance(cfg.backend, LlamaCppConfig)

@@ -1,0 +1,347 @@
+"""Ollama: launch environment, the native NDJSON API, and what the server says about its KV cache.
+
+Ollama is configured by environment variables, not flags: OLLAMA_KV_CACHE_TYPE (f16 | q8_0 | q4_0;
+the quantised types take effect only with OLLAMA_FLASH_ATTENTION=1), OLLAMA_NUM_PARALLEL (sequences
+run at once; requests beyond it queue in the server), OLLAMA_CONTEXT_LENGTH (per sequence: the runner
+gets -c num_ctx x num_parallel) and OLLAMA_HOST. The model loads lazily on the first request, so
+the KV lines of the server log exist only after `preload` (or a first request).
+
+Streams are NDJSON: one JSON object per line; a token in `response` (/api/generate) or
+`message.content` (/api/chat); a final object with done=true carrying done_reason and the server's
+own counts and durations (nanoseconds). Go's omitempty drops zero-valued counts and durations from
+that object. A missing prompt_eval_count or eval_count is recorded as None (unknown), not 0: servers
+before mid-2024 (ollama/ollama#2068, #3427, fixed by #5371) dropped prompt_eval_count when the prompt
+came from the prompt cache, and since then it is the whole prompt length, so a 0 never describes a
+prompt kvexp sends. An error during a stream arrives as a line {"error": "..."} (HTTP status stays 200);
+an error before the first line is an HTTP status with the same JSON body.
+
+There is no tokenizer endpoint (prompts are text of an estimated length; the realised length is the
+server's prompt_eval_count), no ignore_eos (options.num_predict only caps the output), no KV usage
+and no queue gauges. /api/ps states each loaded model's size and size_vram (`loaded_models`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+import aiohttp
+
+from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
+from kvexp.backends.llamacpp import MIB, parse_kv_log
+from kvexp.config import ConfigError, ExperimentConfig, OllamaConfig, check_kv
+
+KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
+QUANTISED = ("q8_0", "q4_0")
+# Environment variables the adapter sets itself; backend.env may not override them.
+MANAGED_ENV = {
+    "OLLAMA_HOST": "backend.host / backend.port",
+    "OLLAMA_KV_CACHE_TYPE": "kv=",
+    "OLLAMA_FLASH_ATTENTION": "backend.flash_attention",
+    "OLLAMA_NUM_PARALLEL": "backend.parallel",
+    "OLLAMA_CONTEXT_LENGTH": "backend.context",
+}
+# Prompts are text of an estimated token length and may tokenize longer than targeted: the context
+# per sequence leaves room for PROMPT_SLACK x the target plus the output and a chat template. The
+# requests send truncate=false, so a prompt that still does not fit fails loudly instead of being
+# cut silently.
+PROMPT_SLACK = 2.0
+CONTEXT_PAD = 64
+NS = 1e9
+
+# The fallbacks Ollama logs when it does not apply OLLAMA_KV_CACHE_TYPE (the runner then uses f16).
+_FALLBACKS = (
+    "quantized kv cache requested but flash attention disabled",
+    "OLLAMA_FLASH_ATTENTION must be enabled to use a quantized OLLAMA_KV_CACHE_TYPE",
+    "unsupported OLLAMA_KV_CACHE_TYPE",
+    "kv cache type not supported by model",
+)
+# llama.cpp before the `llama_kv_cache: size = ...` line (Ollama's cgo runners up to 2025).
+_OLD_SIZE = re.compile(r"KV self size\s*=\s*([\d.]+) MiB, K \((\w+)\):\s*[\d.]+ MiB, V \((\w+)\)")
+_OLD_CELLS = re.compile(r"kv_size = (\d+), type_k = '(\w+)', type_v = '(\w+)'")
+# Ollama >= 0.30 runs llama-server and logs its command line.
+_LAUNCH = re.compile(r'msg="starting llama-server" cmd="([^"]*)"')
+# Ollama's own engine (0.12 - 0.2x) logs the KV size per device, not the type.
+_ENGINE_KV = re.compile(r'msg="kv cache" device=(\S+) size="([\d.]+) (B|KiB|MiB|GiB|TiB)"')
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def parse_ndjson_line(line: bytes) -> Optional[StreamEvent]:
+    """One line of an /api/generate or /api/chat stream."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return StreamEvent(error=f"protocol: malformed JSON in stream: {line[:80]!r}")
+    if not isinstance(data, dict):
+        return StreamEvent(error="protocol: stream line is not a JSON object")
+    if "error" in data:
+        err = data["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        return StreamEvent(error=f"server: {msg}")
+    done = data.get("done")
+    if not isinstance(done, bool):
+        return StreamEvent(error=f"protocol: stream object without a boolean 'done': {line[:80]!r}")
+    message = data.get("message")
+    if isinstance(message, dict):  # /api/chat
+        text, thinking = message.get("content"), message.get("thinking")
+    else:  # /api/generate
+        text, thinking = data.get("response"), data.get("thinking")
+    text = text if isinstance(text, str) else ""
+    # A thinking model's reasoning tokens are output tokens too (they are in eval_count).
+    content = bool(text) or bool(thinking)
+    if not done:
+        return StreamEvent(content=content, text=text)
+    return StreamEvent(
+        content=content, text=text, done=True,
+        prompt_tokens=_count(data, "prompt_eval_count"), output_tokens=_count(data, "eval_count"),
+        finish_reason=data.get("done_reason") or None, server_timings=_timings(data) or None,
+    )
+
+
+def _count(data: dict[str, Any], key: str) -> Optional[int]:
+    v = data.get(key)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _timings(data: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, name in (("prompt_eval_duration", "prompt_eval_s"), ("eval_duration", "eval_s"),
+                      ("total_duration", "total_s"), ("load_duration", "load_s")):
+        v = data.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[name] = v / NS
+    return out
+
+
+def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
+    """The KV cache as an Ollama server log states it; dtype stays None unless the log confirms one."""
+    info = parse_kv_log(log_text)  # llama.cpp's size line, printed by the runner Ollama launches
+    if info is not None:
+        info.source = ["server log: llama_kv_cache size line (printed by Ollama's runner)"]
+    else:
+        info = _old_llama_lines(log_text)
+    launch = _LAUNCH.findall(log_text)
+    if launch:
+        args = launch[-1].split()
+        seqs = _flag(args, "-np")
+        if info is not None and info.seqs is None and seqs is not None:
+            info.seqs = seqs
+            info.source.append("server log: -np of the llama-server command line")
+        if info is None:
+            k, v = _flag_str(args, "--cache-type-k"), _flag_str(args, "--cache-type-v")
+            # not passed: llama-server's default cache type, f16
+            k, v = k or "f16", v or "f16"
+            ctx = _flag(args, "-c")
+            info = KVCacheInfo(dtype=k if k == v else f"{k}/{v}", dtype_k=k, dtype_v=v,
+                               capacity_tokens=ctx, seqs=seqs,
+                               source=["server log: the llama-server command line Ollama started "
+                                       "(--cache-type-k/-v; f16 when not passed)"])
+    if info is None:
+        fallback = next((f for f in _FALLBACKS if f in log_text), None)
+        if fallback:
+            info = KVCacheInfo(dtype="f16", dtype_k="f16", dtype_v="f16", source=[
+                f"server log: {fallback!r}: OLLAMA_KV_CACHE_TYPE={requested} was not applied; "
+                "the runner uses its default f16"])
+    if info is None:
+        info = KVCacheInfo(source=[f"requested via OLLAMA_KV_CACHE_TYPE={requested}, not reported by the "
+                                   "server (no KV cache line in its log)"])
+    if info.bytes is None:
+        engine = _engine_kv_bytes(log_text)
+        if engine is not None:
+            info.bytes = engine
+            info.source.append("server log: 'kv cache' size per device (rounded by the server)")
+    return info
+
+
+def _old_llama_lines(log_text: str) -> Optional[KVCacheInfo]:
+    sizes, cells = _OLD_SIZE.findall(log_text), _OLD_CELLS.findall(log_text)
+    if not sizes and not cells:
+        return None
+    info = KVCacheInfo(source=["server log: llama.cpp KV self size / kv_size lines (older runner)"])
+    k = v = None
+    if cells:
+        n, k, v = cells[-1]
+        info.capacity_tokens = int(n)
+    if sizes:
+        size, k, v = sizes[-1]
+        info.bytes = round(float(size) * MIB)
+    info.dtype_k, info.dtype_v = k, v
+    info.dtype = k if k == v else f"{k}/{v}"
+    return info
+
+
+def _engine_kv_bytes(log_text: str) -> Optional[int]:
+    per_device: dict[str, int] = {}
+    for device, num, unit in _ENGINE_KV.findall(log_text):
+        per_device[device] = round(float(num) * _UNITS[unit])  # the last load's figure per device
+    return sum(per_device.values()) if per_device else None
+
+
+def _flag_str(args: list[str], flag: str) -> Optional[str]:
+    for i, a in enumerate(args[:-1]):
+        if a == flag:
+            return args[i + 1]
+    return None
+
+
+def _flag(args: list[str], flag: str) -> Optional[int]:
+    v = _flag_str(args, flag)
+    return int(v) if v is not None and v.isdigit() else None
+
+
+class Ollama:
+    name = "ollama"
+    forces_output_length = False  # num_predict caps the output; the model may stop earlier
+    exact_prompts = False  # no tokenizer endpoint
+    health_path = "/api/version"
+
+    def __init__(self, cfg: ExperimentConfig, model_tag: Optional[str], binary: Optional[str]):
+        assert isinstance(cfg.backend, OllamaConfig)
+        self.cfg = cfg
+        self.b = cfg.backend
+        check_kv("ollama", cfg.kv)
+        if not model_tag or model_tag.startswith("@"):
+            raise ConfigError(f"model.ollama={model_tag!r} for model={cfg.model.name}: give an Ollama model tag "
+                              "(e.g. model.ollama=qwen2.5:7b-instruct-q4_K_M), pulled beforehand")
+        self.model_tag = model_tag
+        self.binary = binary
+        self.kv_type = cfg.kv.per_backend["ollama"]
+        if self.kv_type not in KV_TYPES:
+            raise ConfigError(f"kv={cfg.kv.name}: per_backend.ollama={self.kv_type!r}; OLLAMA_KV_CACHE_TYPE "
+                              f"accepts {', '.join(KV_TYPES)}")
+        if self.kv_type in QUANTISED and not self.b.flash_attention:
+            raise ConfigError(f"kv={cfg.kv.name} ({self.kv_type}) needs backend.flash_attention=true: Ollama "
+                              "applies a quantised OLLAMA_KV_CACHE_TYPE only with OLLAMA_FLASH_ATTENTION=1")
+        for key, knob in MANAGED_ENV.items():
+            if key in self.b.env:
+                raise ConfigError(f"backend.env.{key}: kvexp sets it from {knob}; set that instead")
+        self.base_url = ""
+        self._port: Optional[int] = None  # set by launch_argv: Ollama takes its port from OLLAMA_HOST
+
+    @property
+    def parallel(self) -> int:
+        s = self.cfg.scenario
+        return self.b.parallel or max([*s.concurrency, s.max_concurrency or 1, 1])
+
+    @property
+    def context(self) -> int:
+        """Context per sequence (Ollama multiplies it by OLLAMA_NUM_PARALLEL for the runner)."""
+        s = self.cfg.scenario
+        return self.b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
+
+    def launch_argv(self, port: int) -> list[str]:
+        self._port = port or None
+        return [self.binary or "ollama", "serve", *self.b.extra_args]
+
+    def launch_env(self, port: Optional[int] = None) -> dict[str, str]:
+        """The server's whole configuration. OLLAMA_HOST carries the port given to the last
+        launch_argv call (or `port`); without one the server would listen on its default 11434."""
+        env = {
+            "OLLAMA_KV_CACHE_TYPE": self.kv_type,
+            "OLLAMA_FLASH_ATTENTION": "1" if self.b.flash_attention else "0",
+            "OLLAMA_NUM_PARALLEL": str(self.parallel),
+            "OLLAMA_CONTEXT_LENGTH": str(self.context),
+        }
+        port = port or self._port or self.b.port
+        if port:
+            env["OLLAMA_HOST"] = _host_port(self.b.host, port)
+        return {**env, **self.b.env}
+
+    def _options(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
+        # num_ctx equals OLLAMA_CONTEXT_LENGTH, so a launched server does not reload the model; on an
+        # attached server it makes the loaded context big enough (one reload, at the first request).
+        opts: dict[str, Any] = {"temperature": 0, "num_ctx": self.context}
+        if max_tokens is not None:
+            opts["num_predict"] = max_tokens
+        return opts
+
+    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+        if not isinstance(prompt, str):
+            raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); "
+                               "send text (kvexp.prompts.estimated_text)")
+        body: dict[str, Any] = {"model": self.model_tag, "stream": True, "truncate": False,
+                                "options": self._options(max_tokens)}
+        if api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            return Request("/api/chat", body)
+        if api != "completions":
+            raise BackendError(f"ollama: unknown api {api!r} (completions | chat)")
+        # raw: no chat template, so the prompt the server counts is the text sent (and no `context`
+        # token list is tokenized and returned at the end)
+        body["prompt"] = prompt
+        body["raw"] = True
+        return Request("/api/generate", body)
+
+    def parse_line(self, line: bytes) -> Optional[StreamEvent]:
+        return parse_ndjson_line(line)
+
+    async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
+        raise NotImplementedError("ollama has no tokenizer endpoint; prompts are estimated text "
+                                  "and realised lengths come from prompt_eval_count")
+
+    async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
+        try:
+            async with session.get(self.base_url + "/api/version") as r:
+                if r.status == 200:
+                    return (await r.json(content_type=None)).get("version")
+        except (aiohttp.ClientError, ValueError):
+            pass
+        return None
+
+    async def preload(self, session: aiohttp.ClientSession) -> None:
+        """Load the model (an empty prompt, as Ollama documents) so that the load lands neither in
+        the first request's TTFT nor after the KV lines are read from the log. The reply carries no
+        durations (done_reason "load" only): time the call if the load time is wanted."""
+        body = {"model": self.model_tag, "prompt": "", "stream": False, "options": self._options()}
+        async with session.post(self.base_url + "/api/generate", json=body) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise BackendError(f"ollama: loading {self.model_tag} failed: HTTP {r.status}: "
+                                   f"{_error_text(text)}" + _pull_hint(r.status, self.model_tag))
+        try:
+            done = json.loads(text).get("done")
+        except (ValueError, AttributeError):
+            done = None
+        if done is not True:
+            raise BackendError(f"ollama: loading {self.model_tag}: unexpected reply {text[:80]!r}")
+
+    async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
+        return parse_server_log(log_text, self.kv_type)
+
+    async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
+        # Ollama exposes no KV usage, running/waiting counts or preemptions: all stay None.
+        return TelemetrySample()
+
+    async def loaded_models(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        """/api/ps: each loaded model's name, size and size_vram (bytes; the server's own accounting
+        of weights + KV cache + buffers) and context_length (per sequence; None on older servers)."""
+        async with session.get(self.base_url + "/api/ps") as r:
+            if r.status != 200:
+                raise BackendError(f"ollama: /api/ps answered HTTP {r.status}")
+            data = await r.json(content_type=None)
+        out = []
+        for m in data.get("models") or []:
+            out.append({"name": m.get("name") or m.get("model"), "size": _count(m, "size"),
+                        "size_vram": _count(m, "size_vram"), "context_length": _count(m, "context_length")})
+        return out
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _error_text(body: str) -> str:
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict) and "error" in data:
+            return str(data["error"])
+    except ValueError:
+        pass
+    return body.strip()[:200]
+
+
+def _pull_hint(status: int, tag: str) -> str:
+    return f" (pull it first: ollama pull {tag})" if status == 404 else ""

