@@ -173,6 +173,9 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
              f"scenario.arrival={s.arrival!r}: allowed values are constant, poisson")
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
+    ref = {"llamacpp": "gguf", "vllm": "hf", "ollama": "ollama"}[b.name]
+    _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
+             f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
 
 
 def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:

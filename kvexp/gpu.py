@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import psutil
@@ -76,7 +76,6 @@ class MemoryPeaks:
     server_gpu_bytes: Optional[int] = None  # the server's processes, where the driver reports them
     server_rss_bytes: Optional[int] = None
     samples: int = 0
-    series: list[tuple[float, Optional[int], Optional[int]]] = field(default_factory=list)
 
 
 class MemorySampler:

@@ -89,7 +89,7 @@ def server(llama_server, tiny_gguf, tmp_path):
     cfg = compose(["kv=q8_0", "scenario.concurrency=[2]"])
     be = LlamaCpp(cfg, str(tiny_gguf), str(llama_server))
     port = free_port()
-    proc = ServerProcess(be.launch_argv(port), be.launch_env(), tmp_path / "server.log", "llama-server")
+    proc = ServerProcess(be.launch_argv(port), be.launch_env(port), tmp_path / "server.log", "llama-server")
     proc.start()
     try:
         proc.wait_ready(f"http://127.0.0.1:{port}/health", 30)

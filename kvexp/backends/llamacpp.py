@@ -95,7 +95,7 @@ class LlamaCpp:
             argv += ["-ngl", str(self.b.n_gpu_layers)]
         return argv + list(self.b.extra_args)
 
-    def launch_env(self) -> dict[str, str]:
+    def launch_env(self, port: int) -> dict[str, str]:
         return dict(self.b.env)
 
     def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:

@@ -120,7 +120,7 @@ def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
     """The KV cache as an Ollama server log states it; dtype stays None unless the log confirms one."""
     info = parse_kv_log(log_text)  # llama.cpp's size line, printed by the runner Ollama launches
     if info is not None:
-        info.source = ["server log: llama_kv_cache size line (printed by Ollama's runner)"]
+        info.source = [f"{src}, printed by Ollama's runner" for src in info.source]
     else:
         info = _old_llama_lines(log_text)
     launch = _LAUNCH.findall(log_text)
@@ -219,7 +219,6 @@ class Ollama:
             if key in self.b.env:
                 raise ConfigError(f"backend.env.{key}: kvexp sets it from {knob}; set that instead")
         self.base_url = ""
-        self._port: Optional[int] = None  # set by launch_argv: Ollama takes its port from OLLAMA_HOST
 
     @property
     def parallel(self) -> int:
@@ -233,19 +232,18 @@ class Ollama:
         return self.b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
 
     def launch_argv(self, port: int) -> list[str]:
-        self._port = port or None
         return [self.binary or "ollama", "serve", *self.b.extra_args]
 
-    def launch_env(self, port: Optional[int] = None) -> dict[str, str]:
-        """The server's whole configuration. OLLAMA_HOST carries the port given to the last
-        launch_argv call (or `port`); without one the server would listen on its default 11434."""
+    def launch_env(self, port: int) -> dict[str, str]:
+        """The server's whole configuration: Ollama takes its port from OLLAMA_HOST (port 0: the
+        configured backend.port, else none and the server's default 11434)."""
         env = {
             "OLLAMA_KV_CACHE_TYPE": self.kv_type,
             "OLLAMA_FLASH_ATTENTION": "1" if self.b.flash_attention else "0",
             "OLLAMA_NUM_PARALLEL": str(self.parallel),
             "OLLAMA_CONTEXT_LENGTH": str(self.context),
         }
-        port = port or self._port or self.b.port
+        port = port or self.b.port
         if port:
             env["OLLAMA_HOST"] = _host_port(self.b.host, port)
         return {**env, **self.b.env}
