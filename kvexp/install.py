@@ -105,10 +105,14 @@ def _imports_vllm(python: Path) -> bool:
     return r.returncode == 0
 
 
-def install_vllm(venv: Path | None = None) -> Path:
-    """Create the vLLM CPU venv (idempotent: kept when `import vllm` already works); returns its python."""
+def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
+    """Create the vLLM CPU venv (idempotent: kept when `import vllm` already works there; `force`
+    deletes it and starts again); returns its python."""
     venv = venv or vllm_venv()
     python = venv / "bin" / "python"
+    if force and venv.exists():
+        print(f"removing {venv}", flush=True)
+        shutil.rmtree(venv)
     if python.is_file() and _imports_vllm(python):
         print(f"vLLM already installed: {python}")
         return python

@@ -131,7 +131,8 @@ def cache_info(labels: dict[str, str]) -> KVCacheInfo:
     info.source.append(f"/metrics {CACHE_INFO}: cache_dtype, {where} x block_size, kv_cache_memory_bytes")
     stated = _label_int(labels, "kv_cache_size_tokens")
     if stated is not None and info.capacity_tokens is not None and stated != info.capacity_tokens:
-        info.source.append(f"/metrics {CACHE_INFO}: kv_cache_size_tokens={stated} differs from blocks x block_size")
+        info.source.append(f"/metrics {CACHE_INFO}: kv_cache_size_tokens={stated} differs from blocks x block_size "
+                           f"(vLLM states max concurrency x max_model_len, whole blocks per request)")
     return info
 
 
@@ -150,7 +151,7 @@ def kv_info(metrics_text: Optional[str], log_text: str) -> KVCacheInfo:
             info.max_concurrency = logged.max_concurrency
         note = logged.source[0]
         if logged.capacity_tokens != info.capacity_tokens:
-            note += f"; differs from {info.capacity_tokens} tokens on /metrics"
+            note += f"; differs from {info.capacity_tokens} tokens (blocks x block_size) on /metrics"
         info.source.append(note)
     return info
 
@@ -248,7 +249,7 @@ class VLLM:
                         "of vLLM, and this CPU has neither")
         return None
 
-    def launch_env(self) -> dict[str, str]:
+    def launch_env(self, port: int) -> dict[str, str]:
         return {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
                 **self.b.env}
 

