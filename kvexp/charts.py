@@ -1,0 +1,161 @@
+"""Line charts for the comparison report.
+
+matplotlib is used without pyplot (a bare `Figure` per chart, Agg/SVG canvases chosen by savefig), so
+drawing holds no global state. Each chart is drawn once and saved as SVG text (inlined into the HTML
+and the PDF) and/or a PNG file (beside the Markdown). Charts carry no per-run legend: one colour per run
+label is fixed for the whole report and a single legend figure per scenario names them."""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import matplotlib as mpl
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
+
+_PALETTE = (
+    # tab10, then the lighter halves of tab20, then tab20b: distinct first, similar only past 30 runs.
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194",
+)
+MARKERS = {"vllm": "o", "llamacpp": "s", "ollama": "^"}
+MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
+MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
+FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page
+PNG_DPI = 110
+_RC = {
+    "font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "xtick.labelsize": 7.5, "ytick.labelsize": 7.5,
+    "legend.fontsize": 7, "svg.fonttype": "none", "axes.grid": True, "grid.alpha": 0.3,
+    "axes.spines.top": False, "axes.spines.right": False,
+}
+
+
+@dataclass(frozen=True)
+class Series:
+    label: str
+    colour: str
+    xs: tuple[float, ...]
+    ys: tuple[Optional[float], ...]
+    marker: str = "o"
+    linestyle: str = "-"
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    name: str  # file stem, unique in the report
+    title: str
+    xlabel: str
+    ylabel: str
+    series: tuple[Series, ...]
+    logx: bool = False
+    hlines: tuple[tuple[float, str], ...] = ()  # (y, what it is), drawn grey and named in the style key
+    style_key: tuple[tuple[str, str], ...] = ()  # (linestyle, meaning), e.g. ("--", "planner prediction")
+    logy: bool = False  # for latencies that span orders of magnitude
+
+
+@dataclass(frozen=True)
+class Chart:
+    name: str
+    title: str
+    svg: Optional[str] = None  # an <svg> element, ready to inline
+    png: Optional[str] = None  # path relative to the report folder
+
+
+def colour_map(keys: Iterable[str]) -> dict[str, str]:
+    """One colour per distinct key, in order of first appearance (cycling past the palette)."""
+    out: dict[str, str] = {}
+    for k in keys:
+        if k not in out:
+            out[k] = _PALETTE[len(out) % len(_PALETTE)]
+    return out
+
+
+def span_is_wide(xs: Iterable[float]) -> bool:
+    """Log scale for x when the levels span more than 10x."""
+    pos = [x for x in xs if x and x > 0]
+    return bool(pos) and max(pos) / min(pos) > 10
+
+
+def _text(s: str) -> str:
+    return s.replace("$", r"\$")  # a "$" would start matplotlib's math mode
+
+
+def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
+          svg: bool) -> tuple[Optional[str], Optional[str]]:
+    svg_text = png_rel = None
+    with mpl.rc_context({"svg.hashsalt": name, "svg.fonttype": "none"}):
+        if svg:
+            buf = io.StringIO()
+            fig.savefig(buf, format="svg", metadata={"Date": None})
+            text = buf.getvalue()
+            svg_text = text[text.find("<svg"):]
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fig.savefig(out_dir / f"{name}.png", format="png", dpi=PNG_DPI)
+            png_rel = f"{rel_dir}/{name}.png"
+    return svg_text, png_rel
+
+
+def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel_dir: str = "charts") -> Chart:
+    """Draw one chart; write `png_dir/<name>.png` when png_dir is given; return the SVG text when svg."""
+    with mpl.rc_context(_RC):
+        fig = Figure(figsize=FIG_SIZE)  # fixed margins: a layout engine costs more than the drawing
+        fig.subplots_adjust(left=0.15, right=0.97, top=0.90, bottom=0.15)
+        ax = fig.add_subplot()
+        xs_all: set[float] = set()
+        marked = len(spec.series) <= MAX_MARKED_SERIES
+        for s in spec.series:
+            pts = [(x, math.nan if y is None else y) for x, y in zip(s.xs, s.ys)]
+            if not pts or all(math.isnan(y) for _, y in pts):
+                continue
+            xs_all.update(x for x, _ in pts)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
+                    markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
+        for y, _what in spec.hlines:
+            ax.axhline(y, color="#555555", linestyle=":", linewidth=1)
+        if spec.logx and xs_all and min(xs_all) > 0:
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            if len(xs_all) <= 12:
+                ax.set_xticks(sorted(xs_all))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        elif len(xs_all) <= 12 and xs_all:
+            ax.set_xticks(sorted(xs_all))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        if spec.logy:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_title(_text(spec.title))
+        ax.set_xlabel(_text(spec.xlabel))
+        ax.set_ylabel(_text(spec.ylabel))
+        key = [Line2D([], [], color="#555555", linestyle=ls, linewidth=1.2, label=_text(what))
+               for ls, what in spec.style_key]
+        key += [Line2D([], [], color="#555555", linestyle=":", linewidth=1, label=_text(what))
+                for _y, what in spec.hlines]
+        if key:
+            ax.legend(handles=key, loc="best", frameon=False)
+        svg_text, png = _save(fig, spec.name, png_dir, rel_dir, svg)
+    return Chart(spec.name, spec.title, svg_text, png)
+
+
+def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: Optional[Path], svg: bool = True,
+                  rel_dir: str = "charts", columns: int = 4) -> Chart:
+    """A legend strip: (label, colour, marker) per run, shared by every chart of a scenario."""
+    ncol = max(1, min(columns, len(entries)))
+    rows = math.ceil(len(entries) / ncol) if entries else 1
+    with mpl.rc_context(_RC):
+        fig = Figure(figsize=(11.0, 0.2 + 0.2 * rows))
+        handles = [Line2D([], [], color=c, marker=m, markersize=4, linewidth=1.6, label=_text(lab))
+                   for lab, c, m in entries]
+        fig.legend(handles=handles, loc="center", ncol=ncol, frameon=False, fontsize=8, columnspacing=2.0)
+        svg_text, png = _save(fig, name, png_dir, rel_dir, svg)
+    return Chart(name, "Legend", svg_text, png)

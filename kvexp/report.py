@@ -1,0 +1,852 @@
+"""Render one aggregate (the reference document's shape, plus kvexp's optional fields) as a report.
+
+    render_report(aggregate, out_dir) -> {"md": .., "html": .., "pdf": .., "json": .., "csv": .., "charts": ..}
+
+Every number is formatted once, here (with kvexp.findings.format_value), into plain-string tables; the
+Markdown and the HTML templates lay out the same strings, so both show the same figures. The HTML is
+autoescaped (labels and model names are user input); Markdown cells escape `|` and friends. The PDF is
+WeasyPrint's rendering of the HTML; when WeasyPrint cannot load its system libraries the other files are
+still written and the returned mapping records one line saying what to install.
+
+Missing values show as "—"; KV usage and preemptions that a run never reports show as "not exposed"."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import io
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
+
+from kvexp import charts as C
+from kvexp import findings as F
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("md", "html", "pdf")
+PANGO_HINT = "apt-get install libpango-1.0-0 libpangoft2-1.0-0"
+NOT_EXPOSED = "not exposed"
+
+
+class ReportError(RuntimeError):
+    """The report cannot be rendered; the message is one line."""
+
+
+class PDFUnavailable(ReportError):
+    """WeasyPrint (or the system libraries it loads) is missing; the message says what to install."""
+
+
+class ReportFiles(dict):
+    """What render_report wrote ({"md": Path, ...}); `problems` holds one line per step that was skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.problems: list[str] = []
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    numeric: bool = True
+
+
+# The reference document's level columns, in its units (rate, achieved rate and repeat only when present).
+LEVEL_COLUMNS = (
+    Column("concurrency", "Concurrency"),
+    Column("rate", "Rate (req/s)"),
+    Column("achieved_rate", "Achieved (req/s)"),
+    Column("repeat", "Repeat"),
+    Column("requests", "Requests"),
+    Column("errors", "Errors"),
+    Column("throughput_tok_s", "Throughput (tok/s)"),
+    Column("ttft_p50_ms", "TTFT p50 (ms)"),
+    Column("ttft_p95_ms", "TTFT p95 (ms)"),
+    Column("tpot_p50_ms", "TPOT p50 (ms)"),
+    Column("peak_vram_gib", "Peak VRAM (GiB)"),
+    Column("peak_kv_cache_usage", "Peak KV usage (%)"),
+    Column("preemptions", "Preemptions"),
+    Column("mean_prompt_tokens", "Mean prompt tokens"),
+)
+# Columns kvexp adds, in two tables; each column appears only when some level of the scenario has it.
+LATENCY_COLUMNS = (
+    Column("ttft_p99_ms", "TTFT p99 (ms)"),
+    Column("tpot_p95_ms", "TPOT p95 (ms)"),
+    Column("tpot_p99_ms", "TPOT p99 (ms)"),
+    Column("itl_p50_ms", "ITL p50 (ms)"),
+    Column("itl_p95_ms", "ITL p95 (ms)"),
+    Column("itl_p99_ms", "ITL p99 (ms)"),
+    Column("e2e_p50_ms", "E2E p50 (ms)"),
+    Column("e2e_p95_ms", "E2E p95 (ms)"),
+    Column("e2e_p99_ms", "E2E p99 (ms)"),
+    Column("client_queue_p50_ms", "Client queue p50 (ms)"),
+    Column("client_queue_p99_ms", "Client queue p99 (ms)"),
+)
+LOAD_COLUMNS = (
+    Column("request_rate", "Request rate (req/s)"),
+    Column("goodput_req_s", "Goodput (req/s)"),
+    Column("mean_output_tokens", "Mean output tokens"),
+    Column("wall_s", "Wall (s)"),
+    Column("max_running", "Max running"),
+    Column("max_waiting", "Max waiting"),
+    Column("peak_server_gpu_gib", "Server GPU (GiB)"),
+    Column("peak_rss_gib", "Peak RSS (GiB)"),
+    Column("repeats", "Repeats"),
+    Column("throughput_ci95", "Throughput CI95 (tok/s)", numeric=False),
+    Column("cv", "Throughput CV (%)"),
+)
+_REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}
+_ALWAYS = {"concurrency", "requests", "errors", "throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
+           "peak_vram_gib", "peak_kv_cache_usage", "preemptions", "mean_prompt_tokens"}
+# CSV column order: the reference's level keys, then kvexp's, then anything else found.
+CSV_LEVEL_KEYS = (
+    "concurrency", "rate", "achieved_rate", "repeat", "requests", "errors", "throughput_tok_s", "ttft_p50_ms",
+    "ttft_p95_ms",
+    "ttft_p99_ms", "tpot_p50_ms", "tpot_p95_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms",
+    "e2e_p50_ms", "e2e_p95_ms", "e2e_p99_ms", "peak_vram_gib", "peak_rss_gib", "peak_kv_cache_usage",
+    "preemptions", "mean_prompt_tokens", "mean_output_tokens", "goodput_req_s", "wall_s", "status",
+    "client_limited", "repeats", "throughput_ci95", "cv", "warnings",
+)
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] = field(default_factory=list)
+    kind: str = ""  # a CSS hook: "levels", "wide", ...
+    widths: list[float] = field(default_factory=list)  # percent per column, from the text lengths
+
+    def __post_init__(self) -> None:
+        if not self.numeric:
+            self.numeric = [False] * len(self.headers)
+        if not self.widths:
+            self.widths = column_widths(self.headers, self.rows)
+
+
+def drop_empty(t: Table, keep: int = 1) -> Table:
+    """The table without columns that are "—" in every row (the first `keep` columns stay)."""
+    cols = [i for i in range(len(t.headers)) if i < keep or any(row[i] != "—" for row in t.rows)]
+    return Table([t.headers[i] for i in cols], [[row[i] for i in cols] for row in t.rows],
+                 [t.numeric[i] for i in cols], t.kind)
+
+
+def column_widths(headers: list[str], rows: list[list[str]], lo: int = 5, hi: int = 34) -> list[float]:
+    """Relative column widths from the longest cell and the longest header word, so that the PDF can
+    use a fixed table layout (WeasyPrint's automatic layout measures every cell: slow on long tables)."""
+    chars = []
+    for i, h in enumerate(headers):
+        longest = max((len(r[i]) for r in rows if i < len(r)), default=0)
+        word = max((len(w) for w in h.split()), default=0)
+        chars.append(min(hi, max(lo, longest, word + 1)))
+    total = sum(chars) or 1
+    return [round(100 * c / total, 2) for c in chars]
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def templates_dir() -> Path:
+    """The templates: the repository's templates/ beside the package, else those shipped as package data."""
+    pkg = Path(__file__).resolve().parent
+    dirs = (pkg.parent / "templates", pkg / "_data" / "templates", pkg / "_templates")
+    for d in dirs:
+        if (d / "report.html.j2").is_file():
+            return d
+    raise ReportError(f"report templates not found in any of {', '.join(map(str, dirs))}")
+
+
+_MD_SPECIAL = re.compile(r"([\\`*|<>\[\]])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
+def md_escape(value: Any) -> str:
+    """Text safe inside a Markdown table cell or paragraph: one line, `|` and markup characters escaped."""
+    s = " ".join(str(value).split())
+    return _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), s)
+
+
+def md_table(t: Table) -> str:
+    head = "| " + " | ".join(md_escape(h) for h in t.headers) + " |"
+    rule = "|" + "|".join("---:" if n else "---" for n in t.numeric) + "|"
+    body = ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in t.rows]
+    return "\n".join([head, rule, *body])
+
+
+def md_code(text: str, lang: str = "") -> str:
+    """A fenced block whose fence is longer than any backtick run inside."""
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower() or "x"
+
+
+def _short_model(model: Any) -> str:
+    s = str(model or "—")
+    return s.rsplit("/", 1)[-1] if s.startswith(("/", ".")) else s
+
+
+def _uniq(xs: Iterable[Any]) -> list[Any]:
+    out: list[Any] = []
+    for x in xs:
+        if x is not None and x != "" and x not in out:
+            out.append(x)
+    return out
+
+
+def _tail(text: Any, lines: int = 25, chars: int = 3000) -> str:
+    s = "\n".join(str(text or "").rstrip().splitlines()[-lines:])
+    return s[-chars:]
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def _atomic_write(path: Path, data: str) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _gib(v: Any) -> Optional[float]:
+    return v / 2**30 if F.is_num(v) else None
+
+
+def level_cell(run: dict, level: dict, key: str) -> str:
+    """One level value as a table cell: "—" when missing, "not exposed" for KV figures a run never reports."""
+    v = F.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else level.get(key)
+    if key == "repeats" and F.is_num(v):
+        return F.format_value("n", v)
+    failed = level.get("status") == "failed" or F.run_status(run) in ("failed", "skipped")
+    if v is None and key in F.EXPOSURE_KEYS and not failed and not F.exposes(run, key):
+        return NOT_EXPOSED
+    return F.format_value(key, v)
+
+
+def default_title(aggregate: dict) -> str:
+    gpu = aggregate.get("gpu") or _uniq(r.get("gpu") for r in aggregate.get("runs") or [])
+    gpu = gpu if isinstance(gpu, str) else ", ".join(gpu) or "unknown GPU"
+    models = _uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [])
+    what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
+    return f"kvexp comparison — {gpu} — {what}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The view: every string the templates show
+
+
+def _colour_key(run: dict) -> str:
+    """Runs that differ only by scenario share a colour: the label with the scenario token removed."""
+    label, scen = str(run.get("label")), str(run.get("scenario") or "")
+    if scen:
+        stripped = re.sub(rf"(^|[-_.]){re.escape(scen)}(?=$|[-_.])", "", label).strip("-_.")
+        if stripped:
+            return stripped
+    return label
+
+
+def _kv_capacity(kv: dict) -> Optional[float]:
+    if F.is_num(kv.get("capacity_tokens")):
+        return float(kv["capacity_tokens"])
+    if F.is_num(kv.get("blocks")) and F.is_num(kv.get("block_size")):
+        return float(kv["blocks"] * kv["block_size"])
+    return None
+
+
+def _output_length(run: dict) -> str:
+    flag = run.get("variable_length")
+    if flag is True:
+        return "capped"
+    if flag is False:
+        return "forced"
+    return "capped (assumed)" if run.get("backend") in F.CAP_ONLY_BACKENDS else "—"
+
+
+def _setup_view(agg: dict) -> dict:
+    runs = list(agg.get("runs") or [])
+    gpu = agg.get("gpu")
+    gpus = _uniq([gpu, *(r.get("gpu") for r in runs)])
+    facts: list[tuple[str, str]] = []
+    gib = agg.get("gpu_gib")
+    facts.append(("GPU", ", ".join(map(str, gpus)) or "—"))
+    facts.append(("GPU memory", f"{F.format_value('gpu_gib', gib)} GiB" if F.is_num(gib) else "—"))
+    facts.append(("Models", ", ".join(map(str, _uniq(r.get("model") for r in runs))) or "—"))
+    backends = _uniq(r.get("backend") for r in runs)
+    facts.append(("Backends", ", ".join(F.backend_name(b) for b in backends) or "—"))
+    dates = sorted(_uniq([*(agg.get("run_dates") or []), *(r.get("started_at") for r in runs)]), key=str)
+    if dates:
+        facts.append(("Run dates", str(dates[0]) if len(dates) == 1 else f"{dates[0]} … {dates[-1]}"))
+    for key, name in (("kvexp_version", "kvexp version"), ("schema_version", "Schema version")):
+        if agg.get(key) is not None:
+            facts.append((name, str(agg[key])))
+
+    env_table = None
+    env = agg.get("environment")
+    if isinstance(env, dict) and env:
+        env_table = Table(["Key", "Value"], [[str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True)]
+                                             for k, v in env.items()], kind="kv")
+
+    backend_rows = []
+    for b in backends:
+        br = [r for r in runs if r.get("backend") == b]
+        versions = ", ".join(map(str, _uniq(r.get("backend_version") for r in br)))
+        backend_rows.append([F.backend_name(b), versions or "—", str(len(br))])
+    backend_table = Table(["Backend", "Version", "Runs"], backend_rows, [False, False, True])
+
+    run_rows = []
+    for r in runs:
+        kv = F.kv_name(r)
+        reused = r.get("reused_server")
+        run_rows.append([
+            str(r.get("label")), F.backend_name(r.get("backend")), str(r.get("backend_version") or "—"),
+            str(r.get("model") or "—"), str(r.get("scenario") or "—"), kv.display, _output_length(r),
+            F.run_status(r), str(r.get("started_at") or "—"),
+            "—" if reused is None else ("reused" if reused else "launched"),
+        ])
+    run_table = drop_empty(Table(["Run", "Backend", "Version", "Model", "Scenario", "KV", "Output length", "Status",
+                                  "Started", "Server"], run_rows, kind="wide"))
+
+    kv_rows = []
+    for r in runs:
+        kv = r.get("kv_cache") or {}
+        k, v = kv.get("dtype_k"), kv.get("dtype_v")
+        src = kv.get("source")
+        kv_rows.append([
+            str(r.get("label")), str(r.get("kv_requested") or "—"), F.format_value("dtype", kv.get("dtype")),
+            "—" if not (k or v) else f"{k or '—'} / {v or '—'}",
+            F.format_value("blocks", kv.get("blocks")), F.format_value("block_size", kv.get("block_size")),
+            F.format_value("capacity_tokens", _kv_capacity(kv)),
+            F.format_value("kv_gib", _gib(kv.get("bytes"))),
+            F.format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization")),
+            F.format_value("max_concurrency", kv.get("max_concurrency")),
+            ", ".join(map(str, src)) if isinstance(src, list) else F.format_value("source", src),
+        ])
+    # Runs whose server reported nothing about its KV cache are named in one line, not a row of dashes.
+    kv_unreported = [row[0] + (f" (requested {row[1]})" if row[1] != "—" else "") for row in kv_rows
+                     if all(c == "—" for c in row[2:])]
+    kv_rows = [row for row in kv_rows if not all(c == "—" for c in row[2:])]
+    kv_table = drop_empty(Table(["Run", "Requested", "Dtype", "K / V", "Blocks", "Block size", "Capacity (tokens)",
+                      "KV memory (GiB)", "GPU mem. util. (%)", "Max concurrency", "Source"], kv_rows,
+                     [False, False, False, False, True, True, True, True, True, True, False], kind="wide")) \
+        if kv_rows else None
+
+    scen_rows = []
+    for scen, sruns in F.scenarios(agg):
+        xs: dict[str, set[float]] = {}
+        for r in sruns:
+            for lv in r.get("levels") or []:
+                x = F.level_x(lv)
+                if x:
+                    xs.setdefault(x[0], set()).add(x[1])
+        levels = "; ".join(f"{F.x_words(k)} {', '.join(F.format_value(k, x) for x in sorted(v))}"
+                           for k, v in sorted(xs.items())) or "—"
+        prompts = ", ".join(F.format_value("prompt_tokens", p) for p in _uniq(r.get("prompt_tokens") for r in sruns))
+        maxes = ", ".join(F.format_value("max_tokens", p) for p in _uniq(r.get("max_tokens") for r in sruns))
+        scen_rows.append([scen, prompts or "—", maxes or "—", levels, str(len(sruns))])
+    scen_table = Table(["Scenario", "Prompt tokens", "Max tokens", "Levels", "Runs"], scen_rows,
+                       [False, True, True, False, True])
+
+    launches = []
+    for r in runs:
+        cmd = r.get("launch_command")
+        if cmd:
+            text = shlex.join(map(str, cmd)) if isinstance(cmd, list) else str(cmd)
+            launches.append({"label": str(r.get("label")), "command": text,
+                             "reused": bool(r.get("reused_server"))})
+    return {"facts": facts, "environment": env_table, "backends": backend_table, "runs": run_table,
+            "kv": kv_table, "kv_unreported": kv_unreported, "scenarios": scen_table, "launches": launches,
+            "kv_label_note": any(F.kv_name(r).source == "label" for r in runs)}
+
+
+def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]
+                  ) -> tuple[Table, list[tuple[str, Table]], list[str]]:
+    """The scenario's level table (every level as recorded) and the detail tables, as strings."""
+    rows: list[tuple[dict, int, dict]] = []
+    for r in runs:
+        levels = r.get("levels") or []
+        for li in sorted(range(len(levels)), key=lambda i: (F.level_x(levels[i]) or ("~", math.inf),
+                                                            levels[i].get("repeat") or 0)):
+            rows.append((r, li, levels[li]))
+
+    def columns(cols: tuple[Column, ...], keep: set[str]) -> list[tuple[Column, list[str]]]:
+        out = []
+        for c in cols:
+            cells = [level_cell(r, lv, c.key) for r, _, lv in rows]
+            if c.key in keep or any(cell != "—" for cell in cells):
+                out.append((c, cells))
+        return out
+
+    has_conc = any(F.is_num(lv.get("concurrency")) for _, _, lv in rows)
+    main_cols = columns(LEVEL_COLUMNS, _ALWAYS - (set() if has_conc or not rows else {"concurrency"}))
+    main_cols = [(c, cells) for c, cells in main_cols if c.key != "repeat" or any(x not in ("0", "—") for x in cells)]
+    used: list[str] = []
+    notes = []
+    for r, li, _ in rows:
+        codes = warn_codes.get((run_index[id(r)], li), [])
+        used += [c for c in codes if c not in used]
+        notes.append(", ".join(codes))
+    body = [[str(r.get("label")), F.kv_name(r).display, *(cells[n] for _, cells in main_cols), notes[n]]
+            for n, (r, _, _) in enumerate(rows)]
+    main = Table(["Run", "KV", *(c.header for c, _ in main_cols), "Notes"], body,
+                 [False, False, *(c.numeric for c, _ in main_cols), False], kind="levels")
+    if not any(notes):  # no warnings in this scenario: no Notes column (cells cost PDF time)
+        main = Table(main.headers[:-1], [row[:-1] for row in main.rows], main.numeric[:-1], kind="levels")
+    details = []
+    for name, cols in (("Latency detail", LATENCY_COLUMNS), ("Load and memory detail", LOAD_COLUMNS)):
+        dcols = columns(cols, set())
+        if not dcols:
+            continue
+        where = [F.fmt_x(*F.level_x(lv)) + (f" #{lv['repeat']}" if (lv.get("repeat") or 0) > 0 else "")
+                 if F.level_x(lv) else "—" for _, _, lv in rows]
+        drows = [[str(r.get("label")), where[n], *(cells[n] for _, cells in dcols)] for n, (r, _, _) in enumerate(rows)]
+        details.append((name, Table(["Run", "Level", *(c.header for c, _ in dcols)], drows,
+                                    [False, True, *(c.numeric for c, _ in dcols)], kind="levels")))
+    return main, details, used
+
+
+def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], scale: float = 1.0,
+            linestyle: str = "-") -> list[C.Series]:
+    out = []
+    for r in runs:
+        pts = [(F.level_x(lv)[1], F.num(lv, key)) for lv in F.sorted_levels(r)  # type: ignore[index]
+               if F.level_x(lv) and F.level_x(lv)[0] == xkind and F.usable(r, lv)]
+        if any(y is not None for _, y in pts):
+            out.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(x for x, _ in pts),
+                                tuple(None if y is None else y * scale for _, y in pts),
+                                C.MARKERS.get(str(r.get("backend")), "D"), linestyle))
+    return out
+
+
+def _wide_y(series: list[C.Series]) -> bool:
+    ys = [y for s in series for y in s.ys if y is not None and y > 0]
+    return bool(ys) and max(ys) / min(ys) > 50
+
+
+def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: dict[str, str], agg: dict,
+                 plans: dict[str, Optional[F.RunPlan]]) -> tuple[list[C.ChartSpec], list[str]]:
+    xs = [F.level_x(lv)[1] for r in runs for lv in r.get("levels") or [] if F.level_x(lv) and F.level_x(lv)[0] == xkind]
+    logx = C.span_is_wide(xs)
+    xlabel = "Concurrency (requests in flight)" if xkind == "concurrency" else "Request rate (requests/s)"
+    stem = stem + ("" if xkind == "concurrency" else "-rate")
+    specs: list[C.ChartSpec] = []
+    notes: list[str] = []
+
+    def add(name: str, title: str, ylabel: str, series: list[C.Series], **kw: Any) -> None:
+        if series:
+            specs.append(C.ChartSpec(f"{stem}-{name}", f"{scen}: {title}", xlabel, ylabel, tuple(series), logx, **kw))
+        elif name != "kv":  # a KV chart without data is explained by the "not exposed" note below
+            notes.append(f"{title}: no data.")
+
+    add("throughput", "throughput", "Throughput (tok/s)", _series(runs, xkind, "throughput_tok_s", colours))
+    ttft = _series(runs, xkind, "ttft_p50_ms", colours) + _series(runs, xkind, "ttft_p95_ms", colours, linestyle=":")
+    wide = _wide_y(ttft)
+    add("ttft", "TTFT p50 and p95", "Time to first token (ms" + (", log scale)" if wide else ")"), ttft,
+        style_key=(("-", "p50"), (":", "p95")), logy=wide)
+    tpot = _series(runs, xkind, "tpot_p50_ms", colours) + _series(runs, xkind, "tpot_p95_ms", colours, linestyle=":")
+    has_p95 = any(s.linestyle == ":" for s in tpot)
+    add("tpot", "TPOT p50" + (" and p95" if has_p95 else ""), "Time per output token (ms)", tpot,
+        style_key=(("-", "p50"), (":", "p95")) if has_p95 else ())
+    mem = _series(runs, xkind, "peak_vram_gib", colours)
+    rss = _series(runs, xkind, "peak_rss_gib", colours, linestyle="-.")
+    gib = agg.get("gpu_gib")
+    add("memory", "peak memory", "Peak memory (GiB)", mem + rss,
+        hlines=((float(gib), f"GPU memory {F.format_value('gpu_gib', gib)} GiB"),) if F.is_num(gib) and mem else (),
+        style_key=((("-", "VRAM"), ("-.", "process RSS")) if rss and mem else ()))
+    kv = _series(runs, xkind, "peak_kv_cache_usage", colours, scale=100)
+    planned, calibrated, sources = [], [], []
+    if xkind == "concurrency":
+        for r in runs:
+            plan = plans.get(str(r.get("label")))
+            if plan is None or F.run_status(r) == "failed":
+                continue
+            for levels, dest, ls in ((plan.levels, planned, "--"), (plan.calibrated_levels, calibrated, "-.")):
+                pts = [p for p in levels if p.predicted_kv_usage is not None]
+                if pts:
+                    dest.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(p.x for p in pts),
+                                         tuple(p.predicted_kv_usage * 100 for p in pts),  # type: ignore[operator]
+                                         C.MARKERS.get(str(r.get("backend")), "D"), ls))
+                    sources.append(plan.source)
+    hidden = [str(r.get("label")) for r in runs if r.get("levels") and not F.exposes(r, "peak_kv_cache_usage")]
+    key = [("-", "measured")] if kv else []
+    if planned:
+        key.append(("--", "planner"))
+    if calibrated:
+        key.append(("-.", "planner, calibrated"))
+    top = max((y for s in kv + planned + calibrated for y in s.ys if y is not None), default=0.0)
+    add("kv", "KV-cache usage" + (" vs planner" if planned else ""), "KV-cache usage (%)", kv + planned + calibrated,
+        hlines=((100.0, "KV capacity"),) if top >= 50 else (), style_key=tuple(key))
+    if hidden:
+        notes.append(f"KV-cache usage not exposed: {', '.join(hidden)}.")
+    if planned and "calibration table" in sources:
+        notes.append("Planner lines derived from the calibration table's predicted capacity, assuming each request "
+                     "holds prompt + max tokens.")
+    return specs, notes
+
+
+def _scenario_views(agg: dict, colours: dict[str, str], warnings: list[F.LevelWarning], png_dir: Optional[Path],
+                    svg: bool) -> list[dict]:
+    runs_all = list(agg.get("runs") or [])
+    run_index = {id(r): i for i, r in enumerate(runs_all)}
+    warn_codes: dict[tuple[int, int], list[str]] = {}
+    for w in warnings:
+        codes = warn_codes.setdefault((w.run_index, w.level_index), [])
+        if w.code not in codes:
+            codes.append(w.code)
+    plans = {str(r.get("label")): F.run_plan(r, agg) for r in runs_all}
+    out = []
+    stems: set[str] = set()
+    for scen, runs in F.scenarios(agg):
+        stem = _slug(scen)
+        while stem in stems:  # two names with one slug ("a b", "a-b") must not share chart files
+            stem += "-x"
+        stems.add(stem)
+        main, details, codes = _level_tables(runs, warn_codes, run_index)
+        kinds = _uniq(F.level_x(lv)[0] for r in runs for lv in F.sorted_levels(r) if F.level_x(lv))
+        charts, notes = [], []
+        for xkind in kinds:
+            specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
+            notes += n
+            charts += [C.render_chart(s, png_dir, svg) for s in specs]
+        entries = [(str(r.get("label")), colours[str(r.get("label"))], C.MARKERS.get(str(r.get("backend")), "D"))
+                   for r in runs if any(F.usable(r, lv) for lv in r.get("levels") or [])]
+        # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
+        legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
+            if entries and charts and png_dir is not None else None
+        legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
+                        for lab, col, m in entries] if charts else []
+        prompt = _uniq(r.get("prompt_tokens") for r in runs)
+        maxt = _uniq(r.get("max_tokens") for r in runs)
+        desc = []
+        if prompt:
+            desc.append(f"prompt {', '.join(map(str, prompt))} tokens")
+        if maxt:
+            desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
+        desc.append(f"{len(runs)} run{'s' if len(runs) != 1 else ''}")
+        failed = [{"label": str(r.get("label")), "status": F.run_status(r),
+                   "reason": F.first_line(r.get("status_reason")) or "no reason recorded"}
+                  for r in runs if F.run_status(r) in ("failed", "partial", "skipped")]
+        out.append({
+            "name": scen, "anchor": stem, "description": "; ".join(desc), "table": main, "details": details,
+            "codes": [(c, F.WARNING_CODES.get(c, c)) for c in codes],
+            "kv_label_note": any(F.kv_name(r).source == "label" for r in runs), "charts": charts, "legend": legend,
+            "legend_items": legend_items,
+            "notes": notes, "failed": failed,
+        })
+    return out
+
+
+def _planner_view(agg: dict) -> dict:
+    runs = list(agg.get("runs") or [])
+    pl = agg.get("planner") if isinstance(agg.get("planner"), dict) else {}
+    constants: list[tuple[str, str]] = []
+    names = {"gpu_memory_utilization": "GPU memory utilisation", "overhead_gib": "Overhead (GiB)",
+             "block_size": "Block size (tokens)"}
+    for k, v in pl.items():
+        if k in ("gib", "models", "kv_bytes"):
+            continue
+        if k == "gpu_memory_utilization" and F.is_num(v):
+            constants.append((names[k], f"{v * 100:.0f} %"))
+        elif not isinstance(v, (dict, list)):
+            constants.append((names.get(k, k), F.format_value(k, v)))
+    kvb = pl.get("kv_bytes") if isinstance(pl.get("kv_bytes"), dict) else {}
+    if kvb:
+        constants.append(("KV bytes per element", ", ".join(f"{k} {F.format_value('b', v)}" for k, v in kvb.items())))
+
+    presets = None
+    models = pl.get("models") if isinstance(pl.get("models"), dict) else {}
+    if models:
+        rows = []
+        for name, m in models.items():
+            if not isinstance(m, dict):
+                continue
+            per_tok = []
+            if all(F.is_num(m.get(k)) for k in ("n_layers", "n_kv_heads", "head_dim")):
+                for dt, b in kvb.items():
+                    if F.is_num(b):
+                        per_tok.append(f"{dt} {2 * m['n_layers'] * m['n_kv_heads'] * m['head_dim'] * b / 1024:.1f}")
+            rows.append([str(name), F.format_value("n", m.get("n_layers")), F.format_value("n", m.get("n_kv_heads")),
+                         F.format_value("n", m.get("head_dim")), F.format_value("params_b", m.get("params_b")),
+                         ", ".join(per_tok) or "—"])
+        presets = Table(["Preset", "Layers", "KV heads", "Head dim", "Params (B)", "KV KiB/token"], rows,
+                        [False, True, True, True, True, False])
+
+    plans = [(r, F.run_plan(r, agg)) for _, sruns in F.scenarios(agg) for r in sruns]
+    cap_rows, seen = [], set()
+    for r, p in plans:
+        if p is None:
+            continue
+        kv = F.kv_name(r)
+        key = (r.get("backend"), r.get("model"), kv.name)
+        if key in seen:
+            continue
+        seen.add(key)
+        server = _kv_capacity(r.get("kv_cache") or {})
+        diff = (server - p.capacity_tokens) / p.capacity_tokens * 100 if server and p.capacity_tokens else None
+        cap_rows.append([F.backend_name(r.get("backend")), str(r.get("model")), kv.display,
+                         F.format_value("kv_bytes_per_token", p.kv_bytes_per_token),
+                         F.format_value("capacity_tokens", p.capacity_tokens),
+                         F.format_value("capacity_tokens", p.calibrated_capacity_tokens),
+                         F.format_value("capacity_tokens", server),
+                         "—" if diff is None else f"{diff:+.1f}", p.source])
+    capacity = Table(["Backend", "Model", "KV", "KV bytes/token", "Planner capacity (tokens)",
+                      "Calibrated capacity (tokens)", "Server capacity (tokens)", "Server vs planner (%)", "Source"],
+                     cap_rows, [False, False, False, True, True, True, True, True, False]) if cap_rows else None
+
+    pre_rows = []
+    for r, p in plans:
+        if p is None:
+            continue
+        levels = [lv for lv in F.sorted_levels(r) if F.level_x(lv) and F.level_x(lv)[0] == "concurrency"]
+        top = F.format_value("concurrency", F.num(levels[-1], "concurrency")) if levels else "—"
+
+        def first(rows: tuple[F.PlanLevel, ...], what: str) -> str:
+            hit = next((q for q in rows if getattr(q, what)), None)
+            if hit:
+                return F.format_value("concurrency", hit.x)
+            known = [q for q in rows if getattr(q, what) is not None]
+            return f"none up to {F.format_value('concurrency', known[-1].x)}" if known else "—"
+
+        if F.exposes(r, "preemptions"):
+            obs = next((lv for lv in levels if F.num(lv, "preemptions")), None)
+            observed = F.format_value("concurrency", obs["concurrency"]) if obs else f"none up to {top}"
+        else:
+            observed = NOT_EXPOSED
+        pre_rows.append([
+            str(r.get("scenario")), str(r.get("label")), F.format_value("tokens", p.tokens_per_request),
+            F.format_value("concurrency", p.max_concurrency),
+            F.format_value("concurrency", p.calibrated_max_concurrency),
+            first(p.levels, "predicts_preemption"), first(p.calibrated_levels, "predicts_preemption"), observed,
+            F.format_value("concurrency", p.max_concurrent_requests), first(p.levels, "predicts_queueing"),
+            level_cell(r, levels[-1], "peak_kv_cache_usage") if levels else "—",
+        ])
+    preemption = Table(["Scenario", "Run", "Tokens/request", "Max concurrency (planner)",
+                        "Max concurrency (calibrated)", "Predicted preemption at", "Predicted (calibrated)",
+                        "Observed preemption at", "Served at once (planner)", "Predicted queueing at",
+                        "Peak KV usage at top level (%)"],
+                       pre_rows, [False, False, *[True] * 9], kind="wide") if pre_rows else None
+    if preemption is not None:
+        preemption = drop_empty(preemption, keep=2)
+
+    cal = [row for row in agg.get("calibration") or [] if isinstance(row, dict)]
+    calibration = None
+    if cal:
+        has_cal = any(row.get("calibrated_tokens") is not None for row in cal)
+        cols = [("model", "Model", False), ("preset", "Preset", False), ("backend", "Backend", False),
+                ("kv_cache_dtype", "KV", False), ("gpu_gib", "GPU (GiB)", True), ("weights_gib", "Weights (GiB)", True),
+                ("gpu_memory_utilization", "GPU mem. util. (%)", True),
+                ("predicted_tokens", "Predicted (tokens)", True),
+                ("actual_tokens", "Actual (tokens)", True), ("error_pct", "Error (%)", True)]
+        if has_cal:
+            cols += [("calibrated_tokens", "Calibrated (tokens)", True),
+                     ("calibrated_error_pct", "Calibrated error (%)", True)]
+        cols = [c for c in cols if c[0] != "backend" or any(row.get("backend") for row in cal)]
+        rows = []
+        for row in cal:
+            vals = dict(row)
+            actual = vals.get("actual_tokens")
+            for pred, err in (("predicted_tokens", "error_pct"), ("calibrated_tokens", "calibrated_error_pct")):
+                if vals.get(err) is None and F.is_num(vals.get(pred)) and F.is_num(actual) and actual:
+                    vals[err] = (vals[pred] - actual) / actual * 100
+            rows.append([F.format_value(k, vals.get(k)) for k, _, _ in cols])
+        calibration = Table([h for _, h, _ in cols], rows, [n for _, _, n in cols], kind="wide")
+    return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
+            "calibration": calibration,
+            "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
+
+
+_FINDING_GROUPS = (
+    ("Problems", ("failed", "partial", "skipped", "failed_level")),
+    ("Best configurations", ("best_overall_throughput", "best_overall_ttft_p95")),
+    ("KV-cache dtype", ("kv_gain",)),
+    ("Saturation and queueing", ("no_growth", "saturation")),
+    ("Preemption", ("preemption", "no_preemption")),
+    ("Caveats", ("variable_length", "not_exposed")),
+    ("Best per level", ("best_throughput", "best_ttft_p95")),
+)
+
+
+def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
+                  svg: bool = True) -> dict:
+    """Everything the templates show, as plain strings, tables and rendered charts."""
+    if not isinstance(aggregate, dict) or not isinstance(aggregate.get("runs"), list):
+        raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
+    runs = aggregate["runs"]
+    keys = {str(r.get("label")): _colour_key(r) for r in runs}
+    by_key = C.colour_map(keys.values())
+    colours = {label: by_key[k] for label, k in keys.items()}
+    findings = F.compute_findings(aggregate)
+    warnings = F.level_warnings(aggregate)
+    groups = []
+    for name, kinds in _FINDING_GROUPS:
+        items = [f.sentence for f in findings if f.kind in kinds]
+        if items:
+            groups.append({"name": name, "sentences": items})
+    failures = [{"label": str(r.get("label")), "status": F.run_status(r), "scenario": str(r.get("scenario")),
+                 "reason": _tail(r.get("status_reason")) or "no reason recorded"}
+                for r in runs if F.run_status(r) in ("failed", "partial", "skipped")]
+    return {
+        "title": title or aggregate.get("title") or default_title(aggregate),
+        "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),
+        "findings": groups,
+        "setup": _setup_view(aggregate),
+        "scenarios": _scenario_views(aggregate, colours, warnings, png_dir, svg),
+        "planner": _planner_view(aggregate),
+        "warnings": [w.message for w in warnings],
+        "failures": failures,
+        "not_exposed": NOT_EXPOSED,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def _environment() -> Environment:
+    env = Environment(loader=FileSystemLoader(str(templates_dir())), undefined=StrictUndefined,
+                      autoescape=lambda name: bool(name) and name.endswith((".html.j2", ".html")),
+                      trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["md"] = md_escape
+    env.filters["md_table"] = md_table
+    env.filters["md_code"] = md_code
+    return env
+
+
+def validate_aggregate(doc: dict) -> None:
+    """Validate against the aggregate schema when kvexp.validate is available (the one call site)."""
+    try:
+        from kvexp.validate import validate_document  # type: ignore[import-not-found]
+    except ModuleNotFoundError as e:
+        if e.name in ("kvexp.validate",):
+            return  # not written yet: nothing to validate against
+        raise
+    validate_document(doc, "aggregate")
+
+
+def write_csv(aggregate: dict, path: Path) -> Path:
+    """One row per run and level; runs without levels get one row with empty level columns."""
+    runs = list(aggregate.get("runs") or [])
+    extra = sorted({k for r in runs for lv in r.get("levels") or [] for k in lv} - set(CSV_LEVEL_KEYS))
+    present = {k for r in runs for lv in r.get("levels") or [] for k in lv}
+    level_keys = [k for k in CSV_LEVEL_KEYS if k in present or k in _ALWAYS] + extra
+    head = ["label", "backend", "model", "scenario", "kv_dtype", "kv_dtype_source", "run_status", *level_keys]
+
+    def cell(v: Any) -> Any:
+        if v is None:
+            return ""
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, dict)):
+            return json.dumps(v, sort_keys=True)
+        return v
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(head)
+    for r in runs:
+        kv = F.kv_name(r)
+        base = [r.get("label"), r.get("backend"), r.get("model"), r.get("scenario"), kv.name, kv.source,
+                F.run_status(r)]
+        levels = r.get("levels") or [{}]
+        for lv in levels:
+            w.writerow([cell(v) for v in base] + [cell(lv.get(k)) for k in level_keys])
+    return _atomic_write(path, buf.getvalue())
+
+
+def pdf_support() -> Optional[str]:
+    """None when WeasyPrint can run here; else the one line saying what to install."""
+    try:
+        _weasyprint()
+    except PDFUnavailable as e:
+        return str(e)
+    return None
+
+
+def _weasyprint() -> Any:
+    try:
+        import weasyprint  # noqa: PLC0415 (loads Pango through cffi: may fail with OSError)
+    except (OSError, ImportError) as e:
+        why = " ".join(str(e).split())[:160]
+        raise PDFUnavailable(f"PDF not written: WeasyPrint cannot load ({why}); install its system libraries "
+                             f"with `{PANGO_HINT}` and the package with `pip install weasyprint`") from e
+    return weasyprint
+
+
+def write_pdf(html: str, path: Path, base_url: Optional[Path] = None) -> Path:
+    weasyprint = _weasyprint()
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        weasyprint.HTML(string=html, base_url=str(base_url or path.parent)).write_pdf(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
+                  formats: Iterable[str] = FORMATS) -> dict[str, Path]:
+    """Write report.md (+ charts/*.png), report.html (inline SVG), report.pdf, comparison.json and
+    comparison.csv into out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what
+    was written; a skipped PDF leaves a one-line message in the result's `problems`."""
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ReportError(f"formats={list(formats)}: unknown {', '.join(unknown)}; "
+                          f"allowed values are {', '.join(FORMATS)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    validate_aggregate(aggregate)
+    want_svg = "html" in formats or "pdf" in formats
+    png_dir = out_dir / "charts" if "md" in formats else None
+    ctx = build_context(aggregate, title, png_dir, want_svg)
+    env = _environment()
+    files = ReportFiles()
+    if "md" in formats:
+        files["md"] = _atomic_write(out_dir / "report.md", env.get_template("report.md.j2").render(ctx))
+        if png_dir is not None and png_dir.is_dir():
+            files["charts"] = png_dir
+    html = None
+    if want_svg:
+        css_path = templates_dir() / "report.css"
+        ctx["css"] = Markup(css_path.read_text(encoding="utf-8")) if css_path.is_file() else ""
+        html = env.get_template("report.html.j2").render(ctx)
+        if "html" in formats:
+            files["html"] = _atomic_write(out_dir / "report.html", html)
+    files["json"] = _atomic_write(out_dir / "comparison.json",
+                                  json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
+    files["csv"] = write_csv(aggregate, out_dir / "comparison.csv")
+    if "pdf" in formats and html is not None:
+        try:
+            files["pdf"] = write_pdf(html, out_dir / "report.pdf", out_dir)
+        except PDFUnavailable as e:
+            log.warning("%s", e)
+            files.problems.append(str(e))
+    return files
