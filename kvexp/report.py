@@ -802,6 +802,8 @@ def _weasyprint() -> Any:
 
 def write_pdf(html: str, path: Path, base_url: Optional[Path] = None) -> Path:
     weasyprint = _weasyprint()
+    for noisy in ("weasyprint", "fontTools"):  # hundreds of INFO lines per PDF otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         weasyprint.HTML(string=html, base_url=str(base_url or path.parent)).write_pdf(str(tmp))

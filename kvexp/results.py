@@ -1,5 +1,6 @@
 """Versioned result files: written atomically after validation, read back with a version check, and
-gathered from any mix of sweep folders, job folders and files into one aggregate."""
+gathered from any mix of sweep folders, job folders and files into one aggregate. A job folder's
+result can also be taken up again (resume): its finished levels and their requests are kept."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kvexp import __version__
-from kvexp.validate import ValidationFailed, errors_of, kind_of, validate_document
+from kvexp.validate import SCHEMA_VERSION, ValidationFailed, errors_of, kind_of, validate_document
 
-SCHEMA_VERSION = 1
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
 
@@ -63,8 +63,13 @@ def _cpu_model() -> str | None:
 def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
     """Validate, then write atomically (temporary file + rename)."""
     validate_document(doc, kind, where=str(path))
+    _replace(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write text to path atomically: a temporary file beside it, then a rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -88,6 +93,8 @@ def load_json(path: Path) -> Any:
         raise ResultError(f"{path}: is a folder, not a result file") from None
     except OSError as e:
         raise ResultError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ResultError(f"{path}: not JSON (not UTF-8 text)") from None
     try:
         return json.loads(text)
     except ValueError as e:
@@ -108,6 +115,51 @@ def load_document(path: Path) -> tuple[str, dict[str, Any]]:
     if errs:
         raise ResultError(str(ValidationFailed(str(path), errs)))
     return kind, doc
+
+
+def level_value(level: dict[str, Any]) -> float:
+    """A level's concurrency (closed loop) or rate (open loop): what requests.jsonl calls `level`."""
+    return level["concurrency"] if level.get("concurrency") is not None else level["rate"]
+
+
+def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
+    """The result already in a job folder, to resume it: None when there is none. Raises ResultError
+    when it cannot be read or comes from a different spec (its levels must not be mixed with new ones)."""
+    if not path.exists():
+        return None
+    kind, doc = load_document(path)
+    if kind != "result":
+        raise ResultError(f"{path}: not a job result, cannot resume from it")
+    if doc["config_hash"] != config_hash:
+        raise ResultError(f"{path.parent}: the spec changed since this job ran (config hash {doc['config_hash']}, "
+                          f"now {config_hash}); resume refuses to mix results: use a new folder or remove this one")
+    return doc
+
+
+def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, list[dict[str, Any]]]:
+    """The levels whose every repeat ended ok, by level value (their entries in repeat order)."""
+    ok: dict[float, dict[int, dict[str, Any]]] = {}
+    for lv in levels:
+        if lv["status"] == "ok":
+            ok.setdefault(level_value(lv), {}).setdefault(lv["repeat"], lv)
+    return {v: [by_rep[r] for r in range(repeats)] for v, by_rep in ok.items()
+            if all(r in by_rep for r in range(repeats))}
+
+
+def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:
+    """Rewrite a requests.jsonl with only the measured requests of the (level, repeat) pairs kept;
+    warm-up lines, other levels' lines and a line cut short by a crash go."""
+    kept = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                key = (float(row["level"]), int(row["repeat"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if not row.get("warmup") and key in keep:
+                kept.append(line + "\n")
+    _replace(path, "".join(kept))
 
 
 def find_results(paths: Iterable[Path]) -> list[Path]:

@@ -12,6 +12,7 @@ from jsonschema import Draft202012Validator
 from kvexp.paths import data_dir
 
 KINDS = ("result", "aggregate", "request")
+SCHEMA_VERSION = 1  # the newest result format this kvexp reads and writes
 
 
 class ValidationFailed(ValueError):
@@ -63,6 +64,8 @@ def check_file(path: Path) -> list[str]:
         text = path.read_text()
     except OSError as e:
         return [f"{path}: cannot read: {e.strerror}"]
+    except UnicodeDecodeError:
+        return [f"{path}: not JSON (not UTF-8 text)"]
     if path.suffix == ".jsonl":
         out = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -81,6 +84,7 @@ def check_file(path: Path) -> list[str]:
         return [f"{path}: not JSON: {e}"]
     kind = kind_of(doc)
     version = doc.get("schema_version") if isinstance(doc, dict) else None
-    if isinstance(version, int) and version > 1:
-        return [f"{path}: $.schema_version: {version} is newer than this kvexp understands (1); upgrade kvexp"]
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        return [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
+                f"({SCHEMA_VERSION}); upgrade kvexp"]
     return [f"{path}: {m}" for m in errors_of(doc, kind)]

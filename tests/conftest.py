@@ -56,3 +56,15 @@ def pgrep(pattern: str) -> list[str]:
         return []
     out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if "pgrep" not in ln and "pytest" not in ln]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_calibration(tmp_path_factory):
+    """Jobs run by the tests learn into a calibration file of their own, not the user's."""
+    old = os.environ.get("KVEXP_CALIBRATION")
+    os.environ["KVEXP_CALIBRATION"] = str(tmp_path_factory.mktemp("cal") / "calibration.json")
+    yield
+    if old is None:
+        os.environ.pop("KVEXP_CALIBRATION", None)
+    else:
+        os.environ["KVEXP_CALIBRATION"] = old

@@ -3,11 +3,14 @@
 The server runs in its own process group with stdout/stderr going to a log file. Readiness is polled
 against a deadline while watching for early exit (the error quotes the log's last lines). Stopping
 sends SIGTERM to the whole group, waits a grace period, then SIGKILLs it. Every live server is also
-registered for an atexit/signal sweep, so none outlives kvexp."""
+registered for an atexit/signal sweep, so none outlives kvexp: `raise_on_signals()` turns SIGINT and
+SIGTERM into an `Interrupted` exception in the main thread, so that every `finally` on the way out runs
+(results are flushed, servers stopped, with a grace of at most INTERRUPT_GRACE_S once interrupted)."""
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -21,12 +24,28 @@ from typing import Optional
 from kvexp.backends.base import BackendError
 
 _LIVE: set["ServerProcess"] = set()
+INTERRUPT_GRACE_S = 3.0
+_interrupted = False
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; str() is the signal's name."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -38,11 +57,14 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, name: str):
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, name: str,
+                 grace_s: float = 10.0, unset: list[str] | tuple[str, ...] = ()):
         self.argv = argv
         self.env = env
+        self.unset = tuple(unset)  # inherited variables the server must not see
         self.log_path = log_path
         self.name = name
+        self.grace_s = grace_s  # SIGTERM -> SIGKILL
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -55,27 +77,39 @@ class ServerProcess:
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True,
+                env={**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env},
+                start_new_session=True,
             )
+            _LIVE.add(self)
         except OSError as e:
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]}: {e.strerror}") from None
         finally:
             log.close()
-        _LIVE.add(self)
 
     def exited(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None
+
+    def exit_reason(self) -> Optional[str]:
+        """'<name> exited with status N' / 'was killed by SIGKILL' once it has ended, else None."""
+        rc = self.exited()
+        if rc is None:
+            return None
+        if rc < 0:
+            try:
+                return f"{self.name} was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                pass
+        return f"{self.name} exited with status {rc}"
 
     def wait_ready(self, url: str, timeout_s: float) -> float:
         """Poll url until HTTP 200; returns seconds taken. Raises BackendError on exit or deadline."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         while True:
-            rc = self.exited()
-            if rc is not None:
-                raise BackendError(
-                    f"{self.name} exited with status {rc} before becoming ready; last lines of "
-                    f"{self.log_path}:\n{tail(self.log_path)}")
+            gone = self.exit_reason()
+            if gone:
+                raise BackendError(f"{gone} before becoming ready\nlast lines of {self.log_path}:\n"
+                                   f"{tail(self.log_path)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -84,31 +118,32 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise BackendError(
-                    f"{self.name} not ready at {url} after {timeout_s:.0f} s; last lines of "
-                    f"{self.log_path}:\n{tail(self.log_path)}")
+                raise BackendError(f"{self.name} not ready at {url} after {timeout_s:g} s\n"
+                                   f"last lines of {self.log_path}:\n{tail(self.log_path)}")
             time.sleep(0.05)
 
-    def stop(self, grace_s: float = 10.0) -> Optional[int]:
-        """SIGTERM to the group, grace, then SIGKILL. Idempotent; returns the exit status."""
+    def stop(self, grace_s: Optional[float] = None) -> Optional[int]:
+        """SIGTERM to the group, grace, then SIGKILL. Idempotent; returns the exit status. A stop cut
+        short (an interrupt) leaves the server registered, so that stop_all still ends it."""
         p = self.proc
         if p is None:
             return None
-        try:
-            if p.poll() is None:
-                _signal_group(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-            # the group may hold children even after the leader exited
-            _signal_group(p.pid, signal.SIGKILL)
+        grace = self.grace_s if grace_s is None else grace_s
+        if _interrupted:
+            grace = min(grace, INTERRUPT_GRACE_S)
+        if p.poll() is None:
+            _signal_group(p.pid, signal.SIGTERM)
             try:
-                p.wait(timeout=5)
+                p.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-        finally:
-            _LIVE.discard(self)
+        # the group may hold children even after the leader exited
+        _signal_group(p.pid, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _LIVE.discard(self)
         return p.returncode
 
 
@@ -119,9 +154,25 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def stop_all(grace_s: float = 5.0) -> None:
+def stop_all(grace_s: float = INTERRUPT_GRACE_S) -> None:
     for s in list(_LIVE):
         s.stop(grace_s)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    global _interrupted
+    _interrupted = True
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a repeat while stopping must not cut the stop short
+        signal.signal(sig, signal.SIG_IGN)
+    # the exception lands in whichever asyncio task runs; the tasks it cuts short would each log an error
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def raise_on_signals() -> dict[int, object]:
+    """SIGINT and SIGTERM raise Interrupted in the main thread from now on; returns the handlers they
+    replace (for signal.signal, to restore them)."""
+    return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 atexit.register(stop_all)

@@ -1,0 +1,189 @@
+"""Server faults, on the fake llama-server (tests/fake_openai.py) launched by kvexp itself: every fault is
+classified per request and counted in its level, a dead server ends its job at once with the exit status
+and the log's tail, a server is never reused after it died, and no server outlives its job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvexp.backends.base import BackendError
+from kvexp.backends.process import ServerProcess, free_port
+from kvexp.cli import compose
+from kvexp.results import load_document
+from kvexp.runner import ServerPool, run_job
+from kvexp.summary import render_job_summary
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_openai  # noqa: E402
+
+FAKE = Path(fake_openai.__file__).resolve()
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "calibration.json"))
+
+
+@pytest.fixture(scope="module")
+def fake_binary(tmp_path_factory) -> Path:
+    return fake_openai.wrapper(tmp_path_factory.mktemp("fake"))
+
+
+@pytest.fixture
+def pool():
+    p = ServerPool()
+    yield p
+    p.release()
+
+
+def run(tmp_path: Path, binary: Path, pool: ServerPool, *overrides: str, name: str = "job"):
+    """One job on the fake: (its result.json, read back and validated; the exception that ended it)."""
+    cfg = compose(["scenario=smoke", f"backend.binary={binary}", "scenario.stall_timeout_s=0.3", *overrides])
+    out = tmp_path / name
+    try:
+        run_job(cfg, out, pool=pool)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test looks at what ended the job
+        err = e
+    return load_document(out / "result.json")[1], err
+
+
+def faults(kind: str, after: int = 1, every: int = 1) -> str:
+    return f"backend.extra_args=[--fault,{kind},--fault-after,{after},--fault-every,{every}]"
+
+
+@pytest.mark.parametrize("fault,kind", [("stall", "timeout"), ("http500", "http_status"), ("http429", "http_status"),
+                                        ("reset", "connection"), ("malformed", "protocol"), ("truncate", "protocol")])
+def test_each_fault_is_classified_and_fails_its_level(tmp_path, fake_binary, pool, fault, kind):
+    r, err = run(tmp_path, fake_binary, pool, faults(fault), "scenario.concurrency=[2]", "scenario.requests=4")
+    assert err is None  # the job ends normally; its level says what went wrong
+    (lv,) = r["levels"]
+    assert (lv["status"], lv["errors"], lv["errors_by_kind"]) == ("failed", 4, {kind: 4})
+    assert r["status"] == "partial" and r["status_reason"].startswith(f"1 level(s) failed: 4/4 requests failed ({kind} 4)")
+    assert "srv  log_server_r: request:" in r["backend"]["log_tail"]
+    rows = [json.loads(x) for x in (tmp_path / "job" / "requests.jsonl").read_text().splitlines()]
+    assert [q["error_kind"] for q in rows if not q["warmup"]] == [kind] * 4
+    assert f"level 2: FAILED — 4/4 requests failed ({kind} 4)" in render_job_summary(r)
+    assert pool.current is None  # a server is not kept after a job that did not complete
+
+
+@pytest.mark.parametrize("max_error_rate,status", [(0.5, "ok"), (0.1, "failed")])
+def test_error_rate_threshold(tmp_path, fake_binary, pool, max_error_rate, status):
+    # every 4th measured request fails: 2 of 8
+    r, _ = run(tmp_path, fake_binary, pool, faults("http500", after=2, every=4), "scenario.concurrency=[1]",
+               f"scenario.max_error_rate={max_error_rate}")
+    (lv,) = r["levels"]
+    assert (lv["errors"], lv["requests"], lv["status"]) == (2, 8, status)
+    assert "2 of 8 requests failed" in lv["warnings"]
+    assert r["status"] == ("complete" if status == "ok" else "partial")
+
+
+def test_dead_server_ends_the_job_at_once(tmp_path, fake_binary, pool):
+    # warm-up and two requests go through, then the server kills itself (SIGKILL) mid-stream
+    r, err = run(tmp_path, fake_binary, pool, faults("crash", after=3), "scenario.concurrency=[1,2,4]")
+    assert isinstance(err, BackendError) and "killed by SIGKILL" in str(err)
+    assert r["status"] == "failed"
+    assert r["status_reason"] == "llamacpp server was killed by SIGKILL after 1 level(s); its last lines are in backend.log_tail"
+    assert "fake: fault crash" in r["backend"]["log_tail"]
+    assert [(lv["concurrency"], lv["status"]) for lv in r["levels"]] == [(1, "failed")]
+    sent = (tmp_path / "job" / "requests.jsonl").read_text().count('"warmup": false')
+    assert sent == 8  # the level in progress ends; no request goes to the next levels
+    assert pool.current is None
+
+
+def test_a_dead_server_is_not_reused(tmp_path, fake_binary, pool):
+    first, _ = run(tmp_path, fake_binary, pool, "scenario.concurrency=[1]", "scenario.requests=2", name="a")
+    assert first["status"] == "complete" and pool.current is not None
+    assert first["backend"]["launch_command"][first["backend"]["launch_command"].index("--host") + 1] == "127.0.0.1"
+    second, _ = run(tmp_path, fake_binary, pool, "scenario.concurrency=[1]", "scenario.requests=2", name="b")
+    assert second["backend"]["reused_server"] is True  # an identical launch reuses a live server
+    pid = pool.current.process.pid
+    os.kill(pid, signal.SIGKILL)
+    pool.current.process.proc.wait()
+    third, _ = run(tmp_path, fake_binary, pool, "scenario.concurrency=[1]", "scenario.requests=2", name="c")
+    assert third["status"] == "complete" and third["backend"]["reused_server"] is False
+    assert pool.current.process.pid != pid
+
+
+def test_never_ready(tmp_path, fake_binary, pool):
+    t = time.monotonic()
+    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--fault,never_ready]", "backend.ready_timeout_s=1")
+    assert isinstance(err, BackendError) and time.monotonic() - t < 8
+    assert r["status"] == "failed" and r["status_reason"].startswith("llamacpp server not ready at http://127.0.0.1:")
+    assert r["status_reason"].endswith("/health after 1 s")
+    assert "GET /health 127.0.0.1 503" in r["backend"]["log_tail"]
+
+
+def test_slow_start_is_waited_for(tmp_path, fake_binary, pool):
+    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--start-delay,0.5]", "scenario.concurrency=[1]",
+                 "scenario.requests=2")
+    assert err is None and r["status"] == "complete" and r["backend"]["ready_s"] >= 0.5
+
+
+def test_exit_before_ready(tmp_path, fake_binary, pool):
+    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--port,x]")
+    assert isinstance(err, BackendError)
+    assert r["status_reason"] == "llamacpp server exited with status 2 before becoming ready"
+    assert "invalid int value: 'x'" in r["backend"]["log_tail"]
+
+
+def test_port_taken(tmp_path, fake_binary, pool):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r, err = run(tmp_path, fake_binary, pool, f"backend.port={port}")
+    assert isinstance(err, BackendError)
+    assert r["status_reason"] == (f"backend.port={port}: the port is already in use on 127.0.0.1; free it or "
+                                  "leave backend.port unset to use a free one")
+
+
+def test_api_key_is_sent_but_never_written(tmp_path, monkeypatch, pool):
+    key = "sk-test-5e3f9a1b2c7d"
+    port = free_port()
+    fake = ServerProcess([sys.executable, str(FAKE), "--port", str(port), "--api-key", key], {},
+                         tmp_path / "fake.log", "fake")
+    fake.start()
+    try:
+        fake.wait_ready(f"http://127.0.0.1:{port}/health", 20)
+        monkeypatch.setenv("KVEXP_TEST_API_KEY", key)
+        common = [f"backend.endpoint=http://127.0.0.1:{port}", "scenario.concurrency=[1]", "scenario.requests=2"]
+        r, err = run(tmp_path, Path("unused"), pool, *common, "backend.api_key_env=KVEXP_TEST_API_KEY")
+        assert err is None and r["status"] == "complete"
+        refused, err = run(tmp_path, Path("unused"), pool, *common, name="no-key")
+        assert "401" in str(err)  # the fake does check the key
+    finally:
+        fake.stop()
+    files = [p for p in (tmp_path / "job").rglob("*") if p.is_file()]
+    assert len(files) >= 2
+    assert not [p for p in files if key.encode() in p.read_bytes()]
+
+
+def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
+    proc = ServerProcess(["sh", "-c", "trap '' TERM; sleep 30 & sleep 30"], {}, tmp_path / "log", "stubborn")
+    proc.start()
+    time.sleep(0.2)
+    group = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    assert len(group) >= 2
+    t = time.monotonic()
+    proc.stop(grace_s=0.3)
+    assert time.monotonic() - t < 3
+    assert proc.exit_reason() == "stubborn was killed by SIGKILL"
+    time.sleep(0.1)
+    assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
