@@ -1,6 +1,7 @@
 """The command line: the only module that touches Hydra and OmegaConf.
 
     python -m kvexp [-m] [group=option ...] [key=value ...]   run (or sweep) experiments
+    python -m kvexp resume DIR                                 finish an interrupted sweep or run
     python -m kvexp validate FILE...                           check result files against the schema
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
     python -m kvexp plan [overrides]                           KV-capacity planner table
@@ -13,6 +14,8 @@ import argparse
 import itertools
 import logging
 import re
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,6 +28,7 @@ from kvexp.paths import data_dir
 log = logging.getLogger("kvexp")
 GROUPS = ("backend", "model", "kv", "scenario", "gpu")
 _FAILED: list[str] = []
+_RESUME_DIR: list[Path] = []  # the sweep (or run) folder of the job in progress, for the resume hint
 
 
 def safe_name(text: str) -> str:
@@ -134,25 +138,48 @@ def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig]) -> Optional[str]:
 
 # ---------------------------------------------------------------- the experiment (Hydra app)
 def run_experiment(argv: list[str]) -> int:
+    """Run (or sweep) the jobs argv describes. SIGINT/SIGTERM stop every server kvexp started, keep what
+    was measured and exit 128+signal with the command that resumes."""
+    from kvexp.backends import process
+
     overrides = [a for a in argv if not a.startswith("-")]
+    _FAILED.clear()
+    _RESUME_DIR.clear()
+    handlers = process.raise_on_signals()
     try:
-        from kvexp.runner import server_program
+        try:
+            from kvexp.runner import auth_headers, server_program
 
-        kvs = kv_choices()
-        for _, cfg in compose_all(overrides):
-            if check(cfg, kvs) is None:
-                server_program(cfg)
-    except ConfigError as e:
-        print(f"kvexp: {e}", file=sys.stderr)
-        return 1
-    import hydra
+            stray = [a for a in overrides if "=" not in a and not a.startswith("~")]
+            if stray:
+                raise ConfigError(f"{stray[0]}: neither a command ({', '.join(SUBCOMMANDS)}) nor an override "
+                                  "key=value")
+            kvs = kv_choices()
+            for _, cfg in compose_all(overrides):
+                if check(cfg, kvs) is None:
+                    server_program(cfg)
+                    auth_headers(cfg)
+        except ConfigError as e:
+            print(f"kvexp: {e}", file=sys.stderr)
+            return 1
+        import hydra
 
-    @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
-    def app(node: Any) -> None:
-        _task(node)
+        @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
+        def app(node: Any) -> None:
+            _task(node)
 
-    sys.argv = [sys.argv[0], *argv]
-    app()
+        sys.argv = [sys.argv[0], *argv]
+        app()
+    except KeyboardInterrupt as e:
+        process.stop_all()
+        name = str(e) or "SIGINT"
+        hint = (f"resume with: python -m kvexp resume {shlex.quote(str(_RESUME_DIR[-1]))}" if _RESUME_DIR
+                else "no job had started")
+        print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        return 128 + signal.Signals[name]
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     if _FAILED:
         print(f"kvexp: {len(_FAILED)} job(s) failed: {', '.join(_FAILED)}", file=sys.stderr)
         return 1
@@ -161,11 +188,14 @@ def run_experiment(argv: list[str]) -> int:
 
 def _task(node: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from kvexp.runner import run_job, skipped_result
     from kvexp.summary import write_job_summary
 
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    _RESUME_DIR[:] = [Path(hc.sweep.dir).resolve() if hc.mode == RunMode.MULTIRUN else out_dir]
     cfg = to_experiment(node)
     cfg.output_dir = str(out_dir)
     label = job_label(cfg)
@@ -176,7 +206,10 @@ def _task(node: Any) -> None:
             result = skipped_result(cfg, out_dir, reason)
         else:
             log.info("%s: starting (output in %s)", label, out_dir)
-            result = run_job(cfg, out_dir, LogObserver(label))
+            from kvexp.progress import make_observer
+
+            observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
+            result = run_job(cfg, out_dir, observer)
         write_job_summary(result, out_dir)
         log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
     except Exception as e:
@@ -191,8 +224,9 @@ def _is_known(e: BaseException) -> bool:
     import aiohttp
 
     from kvexp.backends.base import BackendError
+    from kvexp.results import ResultError
 
-    return isinstance(e, (BackendError, ConfigError, OSError, aiohttp.ClientError, RuntimeError))
+    return isinstance(e, (BackendError, ConfigError, ResultError, OSError, aiohttp.ClientError, RuntimeError))
 
 
 class LogObserver:
@@ -220,18 +254,36 @@ except ImportError:  # pragma: no cover
 
 
 class SweepCallback(Callback):  # type: ignore[misc]
-    """At the end of a multirun: stop the kept server, then summarise the sweep."""
+    """At the end of a multirun: stop the kept server, summarise the sweep from what every job wrote
+    (jobs may have run in other processes or machines: submitit, Ray), count the jobs that failed there
+    towards the exit status, and log where the sweep's time went."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        import time
+
+        self._t0 = time.monotonic()
+        _RESUME_DIR[:] = [Path(config.hydra.sweep.dir).resolve()]  # also when jobs run elsewhere (submitit)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        import time
+
         from kvexp.runner import POOL
-        from kvexp.summary import write_sweep_outputs
+        from kvexp.summary import job_results, job_statuses, sweep_timing, timing_line, write_sweep_outputs
 
         POOL.release()
         sweep_dir = Path(config.hydra.sweep.dir)
+        wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
         try:
-            written = write_sweep_outputs(sweep_dir)
+            for label, status in job_statuses(sweep_dir).items():
+                if status in ("failed", "missing") and label not in {safe_name(x) for x in _FAILED} | set(_FAILED):
+                    _FAILED.append(label)  # a job in another process cannot append here itself
+        except OSError as e:
+            log.error("sweep: could not read the job folders of %s: %s", sweep_dir, e)
+        try:
+            written = write_sweep_outputs(sweep_dir, wall)
             for p in written:
                 log.info("sweep: wrote %s", p)
+            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall)))
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 
@@ -242,10 +294,57 @@ class SweepCallback(Callback):  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------- subcommands
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error and exit status 1, like every other kvexp error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(1, f"{self.prog}: {message}\n")
+
+
+def resume_args(folder: Path) -> list[str]:
+    """The command line that runs the sweep (or single run) saved in `folder` again into the same
+    folder with resume=true, from the overrides Hydra saved there (multirun.yaml, .hydra/hydra.yaml)."""
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
+    multirun = (folder / "multirun.yaml").is_file()
+    saved = folder / ("multirun.yaml" if multirun else ".hydra/hydra.yaml")
+    if not saved.is_file():
+        raise ConfigError(f"{folder}: not a kvexp sweep or run folder (no multirun.yaml or .hydra/hydra.yaml)")
+    try:
+        overrides: Any = OmegaConf.to_container(OmegaConf.load(saved).hydra.overrides, resolve=False)
+        args = [*overrides["hydra"], *overrides["task"]]
+        if not all(isinstance(a, str) for a in args):
+            raise ValueError("not a list of strings")
+    except Exception as e:
+        raise ConfigError(f"{saved}: hydra.overrides: cannot read the saved overrides "
+                          f"({one_line_error(e)})") from None
+    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
+    kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
+    where = str(folder.resolve())
+    if not re.fullmatch(r"[\w./-]+", where):
+        where = "'" + where.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return (["-m"] if multirun else []) + kept + [f"{dir_key}={where}", "resume=true"]
+
+
+def cmd_resume(argv: list[str]) -> int:
+    ap = _Parser(prog="kvexp resume", description="Finish an interrupted sweep or run in its own folder: "
+                 "complete jobs are kept, finished levels are kept, only what is missing is measured.")
+    ap.add_argument("folder", type=Path, help="the sweep folder (outputs/sweeps/...) or run folder")
+    args = ap.parse_args(argv)
+    try:
+        run_argv = resume_args(args.folder)
+    except ConfigError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
+    return run_experiment(run_argv)
+
+
 def cmd_validate(argv: list[str]) -> int:
     from kvexp.validate import check_file
 
-    ap = argparse.ArgumentParser(prog="kvexp validate", description="Validate kvexp result files.")
+    ap = _Parser(prog="kvexp validate", description="Validate kvexp result files.")
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
     bad = 0
@@ -264,7 +363,7 @@ def cmd_report(argv: list[str]) -> int:
     from kvexp.report import render_report
     from kvexp.results import ResultError, collect
 
-    ap = argparse.ArgumentParser(prog="kvexp report", description="Render a comparison report.")
+    ap = _Parser(prog="kvexp report", description="Render a comparison report.")
     ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<time>)")
     ap.add_argument("--title", default=None)
@@ -275,10 +374,16 @@ def cmd_report(argv: list[str]) -> int:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
     out = args.out or Path("outputs/reports") / _stamp()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"kvexp: --out {out}: cannot make this folder: {e.strerror}", file=sys.stderr)
+        return 1
     written = render_report(agg, out, title=args.title)
     for kind, path in written.items():
         print(f"{kind}: {path}")
+    for problem in getattr(written, "problems", []):
+        print(f"kvexp: {problem}", file=sys.stderr)
     return 0
 
 
@@ -298,7 +403,7 @@ def cmd_plan(argv: list[str]) -> int:
 def cmd_install(argv: list[str]) -> int:
     from kvexp import install
 
-    ap = argparse.ArgumentParser(prog="kvexp install", description="One-time installs of the servers kvexp runs.")
+    ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs.")
     ap.add_argument("what", choices=["llamacpp", "vllm"])
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
@@ -317,6 +422,7 @@ def _stamp() -> str:
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
+    "resume": cmd_resume,
 }
 
 

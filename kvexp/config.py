@@ -98,6 +98,9 @@ class ScenarioConfig:
     rates: list[float] = field(default_factory=list)
     arrival: str = "constant"  # constant | poisson (open loop only)
     max_concurrency: Optional[int] = None  # cap on in-flight requests for open-loop levels
+    # Cap on request starts per second, open and closed loop (asyncio-throttle), e.g. for a shared
+    # endpoint; a request held back waits on the client (client_queue_*). None: no cap.
+    max_start_rate: Optional[float] = None
     requests: int = MISSING  # measured requests per level
     warmup_requests: int = 1
     repeats: int = 1
@@ -109,6 +112,20 @@ class ScenarioConfig:
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
     max_error_rate: float = 0.1  # a level above this error rate is marked failed
+
+
+@dataclass
+class ClientConfig:
+    """How the load generator sends requests (not what it sends). Recorded in every result."""
+
+    # Processes that send a level's requests, each with its own event loop and session: a number
+    # (1: the job's own event loop), or auto: one per 64 concurrent streams, at most the cores kvexp
+    # may use less two; on 4 or more cores even a single loop gets a process of its own, below that it
+    # is the job's own loop.
+    workers: Any = "auto"
+    # Event loop of worker processes: auto (uvloop when installed), asyncio or uvloop. uvloop with
+    # workers=1 starts one worker process, since the job's own loop is asyncio.
+    event_loop: str = "auto"
 
 
 @dataclass
@@ -126,6 +143,7 @@ class ExperimentConfig:
     kv: KVConfig = MISSING
     scenario: ScenarioConfig = MISSING
     gpu: GPUConfig = field(default_factory=GPUConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
     # What to do with a backend/kv pair that cannot run: error (stop at start) or skip (record why).
     unsupported: str = "error"
     resume: bool = False
@@ -171,11 +189,24 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.api in ("completions", "chat"), f"scenario.api={s.api!r}: allowed values are completions, chat")
     _require(s.arrival in ("constant", "poisson"),
              f"scenario.arrival={s.arrival!r}: allowed values are constant, poisson")
+    _require(s.max_concurrency is None or s.max_concurrency >= 1,
+             f"scenario.max_concurrency={s.max_concurrency}: must be >= 1 (or null for no cap)")
+    _require(s.max_start_rate is None or s.max_start_rate > 0,
+             f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
+    check_client(cfg.client)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
     ref = {"llamacpp": "gguf", "vllm": "hf", "ollama": "ollama"}[b.name]
     _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
              f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
+
+
+def check_client(c: ClientConfig) -> None:
+    w = c.workers
+    _require(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1),
+             f"client.workers={w!r}: allowed values are auto or a number >= 1")
+    _require(c.event_loop in ("auto", "asyncio", "uvloop"),
+             f"client.event_loop={c.event_loop!r}: allowed values are auto, asyncio, uvloop")
 
 
 def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:

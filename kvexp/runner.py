@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,12 @@ import aiohttp
 
 from kvexp import prompts, stats
 from kvexp.backends.base import Backend, BackendError, KVCacheInfo
-from kvexp.backends.process import ServerProcess, free_port, tail
+from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, job_label, to_plain
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.loadgen import LoadGenerator, LoopLagMonitor, Observer, RequestRecord, arrival_offsets, make_session
-from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, utc_now, write_json,
-                           write_jsonl)
+from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
+                           level_value, previous_result, utc_now, write_json, write_jsonl)
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
@@ -46,6 +47,12 @@ def server_program(cfg: ExperimentConfig) -> Optional[str]:
             raise ConfigError(f"llama-server not found in {where}: run `python -m kvexp install llamacpp` "
                               "(builds it once, ~5 min) or set backend.binary=/path/to/llama-server")
         return str(found)
+    if name == "ollama":
+        program = cfg.backend.binary or "ollama"
+        if shutil.which(program) is None:
+            raise ConfigError(f"{program} not found: install Ollama (https://ollama.com/download) or set "
+                              "backend.binary=/path/to/ollama")
+        return program
     if name == "vllm":
         from kvexp.install import vllm_python
 
@@ -54,7 +61,19 @@ def server_program(cfg: ExperimentConfig) -> Optional[str]:
             raise ConfigError("vLLM not found: run `python -m kvexp install vllm` or set "
                               "backend.python=/path/to/python-with-vllm")
         return python
-    return cfg.backend.binary
+    return None
+
+
+def auth_headers(cfg: ExperimentConfig) -> Optional[dict[str, str]]:
+    """The Authorization header, from the environment variable backend.api_key_env names (the key itself
+    is never written anywhere); raises ConfigError when that variable is not set."""
+    name = cfg.backend.api_key_env
+    if not name:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ConfigError(f"backend.api_key_env={name}: that environment variable is not set")
+    return {"Authorization": f"Bearer {key}"}
 
 
 def make_backend(cfg: ExperimentConfig) -> Backend:
@@ -102,7 +121,8 @@ class _Server:
 
 
 class ServerPool:
-    """Keeps the last launched server so that a consecutive job with an identical launch reuses it."""
+    """Keeps the last launched server so that a consecutive job with an identical launch reuses it
+    (a server that has exited is never reused; run_job releases one after a job that did not complete)."""
 
     def __init__(self) -> None:
         self.current: Optional[_Server] = None
@@ -114,14 +134,19 @@ class ServerPool:
 
     def acquire(self, backend: Backend, cfg: ExperimentConfig, log_path: Path) -> tuple[_Server, bool]:
         argv0 = backend.launch_argv(0)
-        key = (tuple(argv0), tuple(sorted(backend.launch_env().items())))
+        key = (tuple(argv0), tuple(sorted(backend.launch_env(0).items())))
         cur = self.current
         if cur is not None and cur.key == key and cur.process.exited() is None:
             return cur, True
         self.release()
-        port = cfg.backend.port or free_port(cfg.backend.host)
+        b = cfg.backend
+        if b.port and port_in_use(b.host, b.port):
+            raise BackendError(f"backend.port={b.port}: the port is already in use on {b.host}; free it or "
+                               "leave backend.port unset to use a free one")
+        port = b.port or free_port(b.host)
         argv = backend.launch_argv(port)
-        proc = ServerProcess(argv, backend.launch_env(), log_path, f"{cfg.backend.name} server")
+        proc = ServerProcess(argv, backend.launch_env(port), log_path, f"{b.name} server", b.stop_grace_s,
+                             unset=getattr(backend, "launch_env_unset", list)())
         proc.start()
         base = f"http://{_url_host(cfg.backend.host)}:{port}"
         try:
@@ -145,18 +170,35 @@ class Job:
     cfg: ExperimentConfig
     out_dir: Path
     result: dict[str, Any] = field(default_factory=dict)
+    kept: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # level value -> entries (resume)
 
     @property
     def result_path(self) -> Path:
         return self.out_dir / RESULT_FILE
 
+    @property
+    def plan(self) -> list[tuple[str, float]]:
+        """The scenario's levels in order: (kind, value), kind concurrency or rate."""
+        s = self.cfg.scenario
+        return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
+
     def save(self) -> None:
         write_json(self.result_path, self.result, "result")
+
+    def add_level(self, level: dict[str, Any]) -> None:
+        """Record a measured level in the plan's order (a resumed job mixes kept and new ones) and save."""
+        repeats = range(self.cfg.scenario.repeats)
+        order = {key: i for i, key in enumerate((v, r) for _, v in self.plan for r in repeats)}
+        levels = self.result["levels"]
+        levels.append(level)
+        levels.sort(key=lambda lv: order.get((level_value(lv), lv["repeat"]), len(order)))
+        self.save()
 
 
 def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) -> dict[str, Any]:
     plain = to_plain(cfg)
-    plain.pop("output_dir", None)
+    plain.pop("output_dir", None)  # neither differs between runs of the same spec
+    plain.pop("resume", None)
     plain["backend"].pop("api_key_env", None)
     gi = gpu_info(cfg.gpu.index)
     s = cfg.scenario
@@ -166,7 +208,7 @@ def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) 
         "kvexp_version": environment()["kvexp_version"],
         "label": job_label(cfg),
         "status": "partial",
-        "status_reason": None,
+        "status_reason": "unfinished: the job was running when this was written",
         "started_at": utc_now(),
         "finished_at": None,
         "backend": {"name": backend_name, "version": None, "launch_command": None, "endpoint": None,
@@ -192,13 +234,26 @@ def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
             pool: ServerPool = POOL) -> dict[str, Any]:
-    """Run one job and return its result (also written to out_dir/result.json after every level)."""
+    """Run one job and return its result (also written to out_dir/result.json after every level).
+
+    With cfg.resume, a result already in out_dir from the same spec keeps its finished levels and only
+    the missing ones are measured; one from another spec is refused (ResultError, nothing written).
+    Whatever ends the job (a dead server, an error, an interrupt), the result says why, with the server
+    log's tail, and a server is kept for the next job only after a complete one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = make_backend(cfg)
+    unsupported = getattr(backend, "unsupported_reason", lambda: None)()  # e.g. fp8 KV on this CPU
+    if unsupported and cfg.unsupported == "skip":
+        return skipped_result(cfg, out_dir, unsupported)
+    if unsupported:
+        raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend.name, not backend.forces_output_length))
+    if cfg.resume and _resume(job):
+        return job.result
+    if not cfg.resume:
+        (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     res = job.result
     res["model"]["path"] = getattr(backend, "model_path", None)
-    (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     log_path = out_dir / "server.log"
     server: Optional[_Server] = None
     t0 = time.monotonic()
@@ -210,7 +265,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             server, reused = pool.acquire(backend, cfg, log_path)
             backend.base_url = server.base_url
             res["backend"].update(endpoint=server.base_url, launch_command=server.launch_command,
-                                  env=backend.launch_env() or None, reused_server=reused,
+                                  env=server.process.env or None, reused_server=reused,
                                   ready_s=round(server.ready_s, 3),
                                   server_log=str(server.process.log_path))
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
@@ -218,37 +273,80 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         asyncio.run(_measure(job, backend, server, observer))
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
         res["status"] = "complete" if not failed else "partial"
+        res["status_reason"] = None
         _learn(res)
         if failed:
             res["status_reason"] = f"{len(failed)} level(s) failed: " + "; ".join(
                 lv.get("status_reason") or "" for lv in failed)
-    except (BackendError, ConfigError, OSError, aiohttp.ClientError, RuntimeError) as e:
-        res["status"] = "failed"
-        res["status_reason"] = str(e).splitlines()[0]
-        if log_path.exists():
-            res["backend"]["log_tail"] = tail(log_path, 20)
-        if server is not None:
-            pool.release()
+    except BaseException as e:
+        res["status"] = "partial" if isinstance(e, KeyboardInterrupt) else "failed"
+        res["status_reason"] = _reason(e, server, len(res["levels"]))
         raise
     finally:
+        if log_path.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
+            res["backend"]["log_tail"] = tail(log_path, 20)
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
         job.save()
+        if server is not None and res["status"] != "complete":
+            pool.release()
     return res
+
+
+def _resume(job: Job) -> bool:
+    """Take up the result a previous run of this job left: keep its finished levels (and their lines
+    of requests.jsonl). True when nothing is left to measure (job.result is then that result)."""
+    res = job.result
+    prev = previous_result(job.result_path, res["config_hash"])
+    job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
+    if prev and all(v in job.kept for _, v in job.plan):
+        if prev["status"] != "complete":  # stopped after its last level was saved
+            prev.update(status="complete", status_reason=None)
+            write_json(job.result_path, prev, "result")
+        job.result = prev
+        return True
+    res["levels"] = [lv for _, v in job.plan for lv in job.kept.get(v, [])]
+    if prev:
+        res["started_at"] = prev["started_at"]
+        res["resumed_at"] = [*prev.get("resumed_at", []), utc_now()]
+        log.info("%s: resuming: %d level(s) kept, the others are measured again", res["label"], len(res["levels"]))
+    keep_requests(job.out_dir / REQUESTS_FILE, {(float(level_value(lv)), lv["repeat"]) for lv in res["levels"]})
+    return False
+
+
+def _reason(e: BaseException, server: Optional[_Server], measured: int) -> str:
+    """Why a job ended early, in one line."""
+    if isinstance(e, KeyboardInterrupt):
+        return f"interrupted by {e or 'SIGINT'} after {measured} level(s)"
+    gone = server.process.exit_reason() if server else None
+    if gone:
+        return f"{gone} after {measured} level(s); its last lines are in backend.log_tail"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text if isinstance(e, (BackendError, ConfigError)) else f"{type(e).__name__}: {text}".rstrip(": ")
+
+
+def _check_alive(server: Optional[_Server]) -> None:
+    """Stop measuring as soon as the server process has died (no requests to a dead port)."""
+    gone = server.process.exit_reason() if server else None
+    if gone:
+        raise BackendError(gone)
 
 
 async def _measure(job: Job, backend: Backend, server: Optional[_Server], observer: Optional[Observer]) -> None:
     cfg, res = job.cfg, job.result
     s = cfg.scenario
     max_conn = max([*s.concurrency, s.max_concurrency or 0, 1]) + 4
-    headers = None
-    if cfg.backend.api_key_env:
-        key = os.environ.get(cfg.backend.api_key_env)
-        if not key:
-            raise ConfigError(f"backend.api_key_env={cfg.backend.api_key_env}: that environment variable is not set")
-        headers = {"Authorization": f"Bearer {key}"}
+    headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
         res["backend"]["version"] = await backend.version(session)
+        preload = getattr(backend, "preload", None)
+        if preload is not None:  # Ollama loads the model lazily; its KV lines appear only after a load
+            t = time.monotonic()
+            await preload(session)
+            res["timing"]["model_load_s"] = round(time.monotonic() - t, 3)
+        loaded_models = getattr(backend, "loaded_models", None)
+        if loaded_models is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
+            res["backend"]["loaded_models"] = await loaded_models(session)
         log_text = server.process.log_path.read_text(errors="replace") if server else ""
         kv = await backend.kv_cache(session, log_text)
         _record_kv(res, kv, backend)
@@ -267,12 +365,14 @@ async def _measure(job: Job, backend: Backend, server: Optional[_Server], observ
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
             res["timing"]["warmup_s"] = round(time.monotonic() - tw, 3)
             tm = time.monotonic()
-            levels = [("concurrency", c) for c in s.concurrency] if not s.rates else [("rate", r) for r in s.rates]
-            for kind, value in levels:
+            for kind, value in job.plan:
+                if value in job.kept:
+                    continue  # finished by an earlier run of this job (resume)
                 for repeat in range(s.repeats):
+                    _check_alive(server)
                     summary = await _run_level(job, backend, session, lg, maker, sampler, kind, value, repeat, observer)
-                    res["levels"].append(summary)
-                    job.save()
+                    job.add_level(summary)
+            _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
         finally:
             sampler.stop()
@@ -363,27 +463,36 @@ class TelemetryPoller:
 async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession, lg: LoadGenerator,
                      maker: PromptMaker, sampler: MemorySampler, kind: str, value: float, repeat: int,
                      observer: Optional[Observer]) -> dict[str, Any]:
-    s = job.cfg.scenario
+    from kvexp.loadgen import ClientOptions, client_environment
+
+    s, client = job.cfg.scenario, job.cfg.client
     reqs = await maker.requests(s.requests, s.max_tokens, value, repeat)
+    options = ClientOptions(base_url=backend.base_url,
+                            max_connections=max([*s.concurrency, s.max_concurrency or 0, 1]) + 4,
+                            request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
+                            headers=dict(session.headers) or None, workers=client.workers,
+                            event_loop=client.event_loop)
     before = await TelemetryPoller(backend, session).sample()
     poller = TelemetryPoller(backend, session)
     sampler.window()
     if observer:
         observer.level_started(value, s.requests, repeat)
     poller.start()
-    with LoopLagMonitor() as lag:
+    try:
         if kind == "concurrency":
-            records = await lg.closed_loop(reqs, int(value))
+            run = await lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
         else:
             offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
-            records = await lg.open_loop(reqs, offsets, s.max_concurrency)
-    await poller.stop()
+            run = await lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
+                                     max_start_rate=s.max_start_rate, options=options)
+    finally:
+        await poller.stop()
+    records = run.records
     after = await TelemetryPoller(backend, session).sample()
     mem = sampler.window()
     write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
 
     summary = stats.summarize_level(records)
-    lag_p99 = stats.percentile(lag.lags_s, 99)
     level: dict[str, Any] = {
         "concurrency": int(value) if kind == "concurrency" else None,
         "rate": value if kind == "rate" else None,
@@ -398,25 +507,36 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
         "preemptions": _delta(before, after),
         "max_running": max(poller.running) if poller.running else None,
         "max_waiting": max(poller.waiting) if poller.waiting else None,
-        "loop_lag_p99_ms": None if lag_p99 is None else round(lag_p99 * 1000, 3),
+        "loop_lag_p99_ms": run.loop_lag_p99_ms,
+        "client_workers": run.workers,
+        "client_cpu_util": max(run.cpu_util, default=None),
         "goodput_req_s": stats.goodput(records, s.slo_ttft_ms, s.slo_tpot_ms, summary["wall_s"]),
     }
     if kind == "rate":
-        level["achieved_rate"] = summary["request_rate"]
-    level["client_limited"] = bool(lag_p99 is not None and lag_p99 * 1000 > CLIENT_LAG_LIMIT_MS)
-    level["warnings"] = _warnings(level, records, s, backend.forces_output_length)
+        level["achieved_rate"] = stats.start_rate(records)
+        level["scheduled_rate"] = stats.start_rate(records, scheduled=True)
+    limits = stats.client_limits(run.loop_lag_p99_ms, summary["itl_p50_ms"], run.cpu_util)
+    level["client_limited"] = bool(limits)
     if level["requests"] and level["errors"] / level["requests"] > s.max_error_rate:
         level["status"] = "failed"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["errors_by_kind"].items()))
         first = next((r.error for r in records if r.error), "")
         level["status_reason"] = (f"{level['errors']}/{level['requests']} requests failed ({kinds}); "
                                   f"first: {first}")[:500]
+    if repeat == s.repeats - 1 and s.repeats > 1:  # the last repeat sums up the level's repeats (the ok ones)
+        ok = [lv for lv in job.result["levels"]
+              if lv.get(kind) == level[kind] and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
+        level["repeats"] = stats.repeats_of([*ok, level] if level["status"] == "ok" else ok)
+    level["warnings"] = _warnings(level, records, s, backend.forces_output_length, limits)
+    env = job.result["environment"]
+    env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
     if observer:
         observer.level_done(value, level)
     return level
 
 
-def _warnings(level: dict[str, Any], records: list[RequestRecord], s: Any, forced: bool) -> list[str]:
+def _warnings(level: dict[str, Any], records: list[RequestRecord], s: Any, forced: bool,
+              client_limits: Optional[list[str]] = None) -> list[str]:
     w = []
     ok = [r for r in records if r.ok]
     if level["errors"]:
@@ -434,8 +554,16 @@ def _warnings(level: dict[str, Any], records: list[RequestRecord], s: Any, force
         w.append(f"wide TTFT spread: p95 {p95:.1f} ms is over 3x p50 {p50:.1f} ms")
     if level["peak_kv_cache_usage"] is not None and level["kv_usage_samples"] < 5:
         w.append(f"KV usage was sampled only {level['kv_usage_samples']} times in this level: its peak is a lower bound")
-    if level["client_limited"]:
-        w.append(f"client event loop lagged {level['loop_lag_p99_ms']} ms (p99): the client may have limited this level")
+    if client_limits:
+        w.append("; ".join(client_limits) + ": the client may have limited this level (set client.workers)")
+    planned, achieved = level.get("scheduled_rate"), level.get("achieved_rate")
+    if planned and achieved is not None and achieved < 0.9 * planned:
+        w.append(f"requests started at {achieved:g}/s where the schedule asked {planned:g}/s: "
+                 "max_concurrency, max_start_rate or a lagging load generator held them back")
+    unstable = stats.unstable(level.get("repeats") or {})
+    if unstable:
+        figs = ", ".join(f"{k} (CV {level['repeats'][k]['cv'] * 100:.0f} %)" for k in unstable)
+        w.append(f"unstable across {level['repeats'][unstable[0]]['n']} repeats: {figs}")
     return w
 
 

@@ -8,8 +8,20 @@ Definitions (times on the load generator's perf_counter clock; a request counts 
 - throughput_tok_s = output tokens of the level's successful requests / level wall time
 - level wall time  = last request done - first request sent
 - request_rate     = successful requests / level wall time
+- achieved_rate    = requests started per second (open loop: beside the asked rate; see start_rate)
+- goodput          = requests meeting every given objective (TTFT, TPOT) / level wall time
 Token counts are the server's own (`usage`); percentiles interpolate linearly (numpy's default).
-Unknown is None, never 0."""
+Unknown is None, never 0.
+
+Repeats: each figure's mean over a level's repeats, the half-width of its 95 % confidence interval
+(Student's t) and its coefficient of variation (sample standard deviation / mean); a figure whose CV
+is at least UNSTABLE_CV is flagged as unstable.
+
+The client's self-check (client_limits): a level is flagged as possibly limited by the client when
+the load generator's event loop woke late from its 10 ms sleeps (p99 lag above CLIENT_LAG_LIMIT_MS,
+or above CLIENT_LAG_ITL_FRACTION of the level's ITL p50 when that is larger) or when a process that
+sent requests was busy for at least CLIENT_CPU_LIMIT of one core. A token that arrives while the loop
+is busy is stamped when the loop gets to it, so the lag is the client's own timing error."""
 
 from __future__ import annotations
 
@@ -105,6 +117,15 @@ def summarize_level(records: Sequence[Any]) -> dict[str, Any]:
     }
 
 
+def start_rate(records: Sequence[Any], scheduled: bool = False) -> Optional[float]:
+    """Requests started per second over the level: (n - 1) / (last start - first start), from the
+    times they were sent (achieved) or, with scheduled, from the open-loop schedule (asked)."""
+    ts = sorted(t for r in records if (t := (r.scheduled_s if scheduled else r.sent_s)) is not None)
+    if len(ts) < 2 or ts[-1] <= ts[0]:
+        return None
+    return round((len(ts) - 1) / (ts[-1] - ts[0]), 3)
+
+
 def meets_slo(r: Any, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
     if not r.ok:
         return False
@@ -124,6 +145,24 @@ def goodput(records: Sequence[Any], slo_ttft_ms: Optional[float], slo_tpot_ms: O
     return round(sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records) / wall_s, 3)
 
 
+CLIENT_LAG_LIMIT_MS = 5.0
+CLIENT_LAG_ITL_FRACTION = 0.5
+CLIENT_CPU_LIMIT = 0.9
+
+
+def client_limits(loop_lag_p99_ms: Optional[float], itl_p50_ms: Optional[float],
+                  cpu_util: Sequence[float]) -> list[str]:
+    """Why the client may have limited a level (empty when it kept up); see the module's docstring."""
+    out = []
+    limit = max(CLIENT_LAG_LIMIT_MS, CLIENT_LAG_ITL_FRACTION * itl_p50_ms if itl_p50_ms else 0.0)
+    if loop_lag_p99_ms is not None and loop_lag_p99_ms > limit:
+        out.append(f"client event loop lagged {loop_lag_p99_ms:g} ms (p99, limit {limit:g} ms)")
+    busy = max(cpu_util, default=0.0)
+    if busy >= CLIENT_CPU_LIMIT:
+        out.append(f"a client process was busy {busy * 100:.0f} % of a core")
+    return out
+
+
 # Student's t, two-sided 95 %, by degrees of freedom (scipy-free; df > 30 uses 1.96)
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
@@ -141,3 +180,25 @@ def repeat_summary(values: Iterable[Optional[float]]) -> Optional[dict[str, Opti
     sd = stdev(xs)
     t = _T95[len(xs) - 2] if len(xs) - 1 <= len(_T95) else 1.96
     return {"mean": m, "ci95": t * sd / math.sqrt(len(xs)), "cv": (sd / m) if m else None, "n": len(xs)}
+
+
+UNSTABLE_CV = 0.10
+REPEAT_FIGURES = ("throughput_tok_s", "request_rate", "goodput_req_s", "ttft_p50_ms", "ttft_p99_ms",
+                  "tpot_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+
+
+def repeats_of(levels: Sequence[dict[str, Any]]) -> dict[str, dict[str, Optional[float]]]:
+    """The repeat summary of one level's repeats (their level entries): {figure: {mean, ci95, cv, n}}
+    for every figure of REPEAT_FIGURES that some repeat has; means and intervals rounded."""
+    out = {}
+    for key in REPEAT_FIGURES:
+        r = repeat_summary(lv.get(key) for lv in levels)
+        if r is not None:
+            out[key] = {k: (None if v is None else round(v, 4) if k == "cv" else v if k == "n" else round(v, 3))
+                        for k, v in r.items()}
+    return out
+
+
+def unstable(repeats: dict[str, dict[str, Optional[float]]]) -> list[str]:
+    """Figures whose coefficient of variation across repeats is at least UNSTABLE_CV."""
+    return [k for k, r in repeats.items() if r.get("cv") is not None and r["cv"] >= UNSTABLE_CV]

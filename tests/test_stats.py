@@ -50,7 +50,7 @@ def test_level_summary_hand_computed():
     assert s["ttft_p50_ms"] == 200.0  # median of 100 and 300 ms
     assert s["tpot_p50_ms"] == pytest.approx(110.0)  # median of (1100-100)/10 = 100 and (1500-300)/10 = 120 ms
     assert s["itl_p50_ms"] == pytest.approx(110.0)  # ten gaps of 100 ms, ten of 120 ms
-    assert s["e2e_p50_ms"] == pytest.approx(1250.0)  # 1100 and 1500 ms
+    assert s["e2e_p50_ms"] == pytest.approx(1300.0)  # median of 1100 and 1500 ms
     assert s["mean_prompt_tokens"] == 4.0
     assert s["mean_output_tokens"] == 11.0
 

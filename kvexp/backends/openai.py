@@ -3,7 +3,11 @@
 A chunk is a token arrival when it has a choice that is not the role-only opening chunk and either
 carries text or is an empty-text chunk that does not finish the stream (vLLM sends those when a token's
 text is still incomplete UTF-8). Token counts come from the final `usage` chunk, never from counting
-chunks."""
+chunks.
+
+parse_sse_line is on the load generator's hot path (once per token): it decodes JSON with orjson
+when installed (falling back to json for anything orjson refuses, so results are json's), and hands
+back one shared, immutable event per token text for plain token chunks."""
 
 from __future__ import annotations
 
@@ -11,6 +15,22 @@ import json
 from typing import Any, Optional
 
 from kvexp.backends.base import Request, StreamEvent
+
+try:
+    import orjson
+
+    def _fast_loads(payload: bytes) -> Any:
+        if payload.count(b"{") + payload.count(b"[") > 900:  # json's recursion limit decides deep nests
+            return json.loads(payload)
+        try:
+            return orjson.loads(payload)
+        except ValueError:  # NaN, lone surrogates, non-UTF-8 and the like: json decides
+            return json.loads(payload)
+except ImportError:  # pragma: no cover - orjson is optional (the `fast` extra)
+    _fast_loads = json.loads
+
+_TOKEN_EVENTS: dict[str, StreamEvent] = {}  # plain token events by text (events are frozen)
+_TOKEN_EVENTS_MAX = 1 << 16
 
 
 def completion_request(model: str, prompt: str | list[int], max_tokens: int, api: str,
@@ -44,9 +64,17 @@ def parse_sse_line(line: bytes) -> Optional[StreamEvent]:
     if payload == b"[DONE]":
         return StreamEvent(done=True)
     try:
-        data = json.loads(payload)
+        data = _fast_loads(payload)
     except ValueError:
         return StreamEvent(error=f"protocol: malformed JSON in stream: {payload[:80]!r}")
+    ev = _event(data)
+    if _fast_loads is not json.loads and (ev.error is not None or float in (
+            type(ev.prompt_tokens), type(ev.output_tokens), type(ev.finish_reason))):
+        ev = _event(json.loads(payload))  # orjson reads integers beyond 64 bits as floats: json's reading
+    return ev
+
+
+def _event(data: Any) -> StreamEvent:
     if not isinstance(data, dict):
         return StreamEvent(error="protocol: stream chunk is not a JSON object")
     if "error" in data:
@@ -76,8 +104,16 @@ def parse_sse_line(line: bytes) -> Optional[StreamEvent]:
             k.replace("_ms", "_s"): float(v) / 1000.0
             for k, v in timings.items() if k in ("prompt_ms", "predicted_ms") and v is not None
         }
+    prompt_tokens, output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if content and finish is None and server_timings is None and prompt_tokens is None and output_tokens is None:
+        ev = _TOKEN_EVENTS.get(text)
+        if ev is None:
+            if len(_TOKEN_EVENTS) >= _TOKEN_EVENTS_MAX:
+                _TOKEN_EVENTS.clear()
+            ev = _TOKEN_EVENTS[text] = StreamEvent(content=True, text=text)
+        return ev
     return StreamEvent(
         content=content, text=text, finish_reason=finish,
-        prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"),
+        prompt_tokens=prompt_tokens, output_tokens=output_tokens,
         server_timings=server_timings,
     )
