@@ -23,13 +23,12 @@ from kvexp.backends.base import Backend, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, job_label, to_plain
 from kvexp.gpu import GIB, MemorySampler, gpu_info
-from kvexp.loadgen import LoadGenerator, LoopLagMonitor, Observer, RequestRecord, arrival_offsets, make_session
+from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, utc_now, write_json, write_jsonl)
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
-CLIENT_LAG_LIMIT_MS = 20.0  # event-loop lag (p99) above this: the client may have limited the level
 
 
 def server_program(cfg: ExperimentConfig) -> Optional[str]:
