@@ -128,6 +128,11 @@ class ClientConfig:
     event_loop: str = "auto"
 
 
+def highest_concurrency(s: "ScenarioConfig") -> int:
+    """Most requests a scenario can have in flight at once (servers get this many slots by default)."""
+    return max([*s.concurrency, s.max_concurrency or 1, 1])
+
+
 @dataclass
 class GPUConfig:
     name: Optional[str] = None  # None: read from NVML

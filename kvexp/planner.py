@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from kvexp.config import highest_concurrency
+
 if TYPE_CHECKING:
     from kvexp.config import ExperimentConfig
 
@@ -447,7 +449,7 @@ def backend_context_parallel(cfg: "ExperimentConfig") -> tuple[Optional[int], Op
     backend.env or Ollama's own default."""
     b, s = cfg.backend, cfg.scenario
     env = b.env or {}
-    highest = max([*s.concurrency, s.max_concurrency or 1, 1])
+    highest = highest_concurrency(s)
     request = s.prompt_tokens + s.max_tokens
     if b.name == "llamacpp":
         parallel = b.parallel or highest

@@ -21,7 +21,7 @@ import aiohttp
 from kvexp import prompts, stats
 from kvexp.backends.base import Backend, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
-from kvexp.config import ConfigError, ExperimentConfig, job_label, to_plain
+from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label, to_plain
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
@@ -334,7 +334,7 @@ def _check_alive(server: Optional[_Server]) -> None:
 async def _measure(job: Job, backend: Backend, server: Optional[_Server], observer: Optional[Observer]) -> None:
     cfg, res = job.cfg, job.result
     s = cfg.scenario
-    max_conn = max([*s.concurrency, s.max_concurrency or 0, 1]) + 4
+    max_conn = highest_concurrency(s) + 4
     headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
         res["backend"]["version"] = await backend.version(session)
@@ -467,7 +467,7 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
     s, client = job.cfg.scenario, job.cfg.client
     reqs = await maker.requests(s.requests, s.max_tokens, value, repeat)
     options = ClientOptions(base_url=backend.base_url,
-                            max_connections=max([*s.concurrency, s.max_concurrency or 0, 1]) + 4,
+                            max_connections=highest_concurrency(s) + 4,
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)

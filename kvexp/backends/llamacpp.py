@@ -16,7 +16,7 @@ import aiohttp
 from kvexp.backends import openai
 from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
-from kvexp.config import ExperimentConfig, LlamaCppConfig
+from kvexp.config import ExperimentConfig, LlamaCppConfig, highest_concurrency
 
 KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\),"
@@ -74,7 +74,7 @@ class LlamaCpp:
     @property
     def parallel(self) -> int:
         s = self.cfg.scenario
-        return self.b.parallel or max([*s.concurrency, s.max_concurrency or 1, 1])
+        return self.b.parallel or highest_concurrency(s)
 
     @property
     def context(self) -> int:

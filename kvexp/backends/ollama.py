@@ -29,7 +29,7 @@ import aiohttp
 
 from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
 from kvexp.backends.llamacpp import MIB, parse_kv_log
-from kvexp.config import ConfigError, ExperimentConfig, OllamaConfig, check_kv
+from kvexp.config import ConfigError, ExperimentConfig, OllamaConfig, check_kv, highest_concurrency
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
 QUANTISED = ("q8_0", "q4_0")
@@ -223,7 +223,7 @@ class Ollama:
     @property
     def parallel(self) -> int:
         s = self.cfg.scenario
-        return self.b.parallel or max([*s.concurrency, s.max_concurrency or 1, 1])
+        return self.b.parallel or highest_concurrency(s)
 
     @property
     def context(self) -> int:
