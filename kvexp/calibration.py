@@ -371,11 +371,6 @@ def save(table: Mapping[str, Any], path: Path | str | None = None) -> Path:
     return p
 
 
-def load_calibration(path: Path | str | None = None) -> Optional[dict[str, Any]]:
-    """`load` under the name the CLI imports."""
-    return load(path)
-
-
 def update(measurements: Iterable[Measurement | Mapping[str, Any]], path: Path | str | None = None) -> dict[str, Any]:
     """Fit these jobs into the calibration file (merging with what it holds) and save it."""
     table = fit(measurements, load(path))

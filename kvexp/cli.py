@@ -388,7 +388,7 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from kvexp.calibration import load_calibration
+    from kvexp import calibration
     from kvexp.planner import plan_table
 
     try:
@@ -396,7 +396,7 @@ def cmd_plan(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
-    print(plan_table(cfgs, load_calibration()))
+    print(plan_table(cfgs, calibration.load()))
     return 0
 
 

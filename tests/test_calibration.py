@@ -125,7 +125,7 @@ def test_file_round_trip_and_merge(tmp_path, monkeypatch):
 
     monkeypatch.setenv(calib.ENV_PATH, str(path))
     assert calib.default_path() == path
-    assert calib.load_calibration() == table
+    assert calib.load() == table
     monkeypatch.delenv(calib.ENV_PATH)
     monkeypatch.setenv("KVEXP_CACHE", str(tmp_path / "cache"))
     assert calib.default_path() == tmp_path / "cache" / "calibration.json"
