@@ -1,3 +1,4 @@
 from kvexp.cli import entry
 
-entry()
+if __name__ == "__main__":  # a spawned worker process imports this module too
+    entry()

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from kvexp.paths import atomic_write
 from kvexp.planner import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -351,24 +351,10 @@ def load(path: Path | str | None = None) -> Optional[dict[str, Any]]:
 
 
 def save(table: Mapping[str, Any], path: Path | str | None = None) -> Path:
-    """Write the table atomically (temp file in the same folder, then os.replace)."""
+    """Write the table atomically."""
     p = Path(path) if path is not None else default_path()
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return p
+    return atomic_write(p, json.dumps(table, indent=2) + "\n")
 
 
 def update(measurements: Iterable[Measurement | Mapping[str, Any]], path: Path | str | None = None) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """Where kvexp's own data folders are: the repository's top level in a source checkout, or
-kvexp/_data/ in an installed wheel (pyproject ships conf/, templates/ and schema/ there)."""
+kvexp/_data/ in an installed wheel (pyproject ships conf/, templates/ and schema/ there); and the one way
+kvexp writes a file that a reader may open at any moment."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -13,3 +16,18 @@ def data_dir(name: str) -> Path:
         if cand.is_dir():
             return cand
     raise FileNotFoundError(f"kvexp's {name}/ folder is missing from this installation")
+
+
+def atomic_write(path: Path, data: str | bytes) -> Path:
+    """Write data to path atomically: a temporary file beside it, then a rename; a reader sees the old
+    file or the new one, never half of one, and an interrupted write leaves nothing behind."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -18,10 +18,8 @@ import io
 import json
 import logging
 import math
-import os
 import re
 import shlex
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -31,20 +29,17 @@ from markupsafe import Markup
 
 from kvexp import charts as C
 from kvexp import findings as F
+from kvexp import pdf
+from kvexp.paths import atomic_write
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("md", "html", "pdf")
-PANGO_HINT = "apt-get install libpango-1.0-0 libpangoft2-1.0-0"
 NOT_EXPOSED = "not exposed"
 
 
 class ReportError(RuntimeError):
     """The report cannot be rendered; the message is one line."""
-
-
-class PDFUnavailable(ReportError):
-    """WeasyPrint (or the system libraries it loads) is missing; the message says what to install."""
 
 
 class ReportFiles(dict):
@@ -221,19 +216,6 @@ def _json_safe(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_json_safe(x) for x in v]
     return v
-
-
-def _atomic_write(path: Path, data: str) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _gib(v: Any) -> Optional[float]:
@@ -564,7 +546,6 @@ def _scenario_views(agg: dict, colours: dict[str, str], warnings: list[F.LevelWa
 
 
 def _planner_view(agg: dict) -> dict:
-    runs = list(agg.get("runs") or [])
     pl = agg.get("planner") if isinstance(agg.get("planner"), dict) else {}
     constants: list[tuple[str, str]] = []
     names = {"gpu_memory_utilization": "GPU memory utilisation", "overhead_gib": "Overhead (GiB)",
@@ -778,39 +759,7 @@ def write_csv(aggregate: dict, path: Path) -> Path:
         levels = r.get("levels") or [{}]
         for lv in levels:
             w.writerow([cell(v) for v in base] + [cell(lv.get(k)) for k in level_keys])
-    return _atomic_write(path, buf.getvalue())
-
-
-def pdf_support() -> Optional[str]:
-    """None when WeasyPrint can run here; else the one line saying what to install."""
-    try:
-        _weasyprint()
-    except PDFUnavailable as e:
-        return str(e)
-    return None
-
-
-def _weasyprint() -> Any:
-    try:
-        import weasyprint  # noqa: PLC0415 (loads Pango through cffi: may fail with OSError)
-    except (OSError, ImportError) as e:
-        why = " ".join(str(e).split())[:160]
-        raise PDFUnavailable(f"PDF not written: WeasyPrint cannot load ({why}); install its system libraries "
-                             f"with `{PANGO_HINT}` and the package with `pip install weasyprint`") from e
-    return weasyprint
-
-
-def write_pdf(html: str, path: Path, base_url: Optional[Path] = None) -> Path:
-    weasyprint = _weasyprint()
-    for noisy in ("weasyprint", "fontTools"):  # hundreds of INFO lines per PDF otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        weasyprint.HTML(string=html, base_url=str(base_url or path.parent)).write_pdf(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, buf.getvalue())
 
 
 def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
@@ -832,7 +781,7 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
     env = _environment()
     files = ReportFiles()
     if "md" in formats:
-        files["md"] = _atomic_write(out_dir / "report.md", env.get_template("report.md.j2").render(ctx))
+        files["md"] = atomic_write(out_dir / "report.md", env.get_template("report.md.j2").render(ctx))
         if png_dir is not None and png_dir.is_dir():
             files["charts"] = png_dir
     html = None
@@ -841,14 +790,14 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         ctx["css"] = Markup(css_path.read_text(encoding="utf-8")) if css_path.is_file() else ""
         html = env.get_template("report.html.j2").render(ctx)
         if "html" in formats:
-            files["html"] = _atomic_write(out_dir / "report.html", html)
-    files["json"] = _atomic_write(out_dir / "comparison.json",
+            files["html"] = atomic_write(out_dir / "report.html", html)
+    files["json"] = atomic_write(out_dir / "comparison.json",
                                   json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
     files["csv"] = write_csv(aggregate, out_dir / "comparison.csv")
     if "pdf" in formats and html is not None:
         try:
-            files["pdf"] = write_pdf(html, out_dir / "report.pdf", out_dir)
-        except PDFUnavailable as e:
+            files["pdf"] = pdf.write(html, out_dir / "report.pdf", out_dir)
+        except pdf.PDFUnavailable as e:
             log.warning("%s", e)
             files.problems.append(str(e))
     return files

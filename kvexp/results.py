@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kvexp import __version__
+from kvexp.paths import atomic_write
 from kvexp.validate import SCHEMA_VERSION, ValidationFailed, errors_of, kind_of, validate_document
 
 RESULT_FILE = "result.json"
@@ -63,14 +64,7 @@ def _cpu_model() -> str | None:
 def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
     """Validate, then write atomically (temporary file + rename)."""
     validate_document(doc, kind, where=str(path))
-    _replace(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write text to path atomically: a temporary file beside it, then a rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], kind: str = "request") -> None:
@@ -159,7 +153,7 @@ def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:
                 continue
             if not row.get("warmup") and key in keep:
                 kept.append(line + "\n")
-    _replace(path, "".join(kept))
+    atomic_write(path, "".join(kept))
 
 
 def find_results(paths: Iterable[Path]) -> list[Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvexp import findings as F
+from kvexp import pdf
 from kvexp import report as R
 
 PDFTOPPM = shutil.which("pdftoppm") or ("/usr/bin/pdftoppm" if Path("/usr/bin/pdftoppm").is_file() else None)
@@ -365,7 +366,7 @@ def test_missing_pango_still_writes_markdown_and_html(tmp_path, monkeypatch, ref
     assert "pdf" not in files and not (tmp_path / "report.pdf").exists()
     assert len(files.problems) == 1 and "apt-get install libpango-1.0-0 libpangoft2-1.0-0" in files.problems[0]
     assert "\n" not in files.problems[0]
-    assert R.pdf_support() is not None
+    assert pdf.support() is not None
 
 
 def test_rendering_leaves_the_aggregate_alone(reference, tmp_path):
