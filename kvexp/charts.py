@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -86,15 +87,23 @@ def _text(s: str) -> str:
     return s.replace("$", r"\$")  # a "$" would start matplotlib's math mode
 
 
+def scoped_ids(svg: str, scope: str) -> str:
+    """matplotlib numbers every figure's ids from 1 ("text_14", "line2d_26"): several SVGs inline in one
+    page would share them (an HTML error, and a WeasyPrint warning per id). Prefix each id, and each
+    reference to one, with the chart's name."""
+    svg = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{scope}-{m.group(1)}"', svg)
+    return re.sub(r'(href="|url\()#([^")]+)', lambda m: f"{m.group(1)}#{scope}-{m.group(2)}", svg)
+
+
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
           svg: bool) -> tuple[Optional[str], Optional[str]]:
     svg_text = png_rel = None
-    with mpl.rc_context({"svg.hashsalt": name, "svg.fonttype": "none"}):
+    with mpl.rc_context({"svg.hashsalt": "kvexp", "svg.fonttype": "none"}):
         if svg:
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
             text = buf.getvalue()
-            svg_text = text[text.find("<svg"):]
+            svg_text = scoped_ids(text[text.find("<svg"):], name)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             fig.savefig(out_dir / f"{name}.png", format="png", dpi=PNG_DPI)

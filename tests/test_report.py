@@ -223,6 +223,15 @@ def test_markdown_level_tables_trace_to_the_input(rendered, reference):
     assert seen == sum(len(r["levels"]) for r in reference["runs"])
 
 
+def test_html_ids_are_unique_and_every_reference_resolves(rendered):
+    out, _ = rendered
+    html = (out / "report.html").read_text()
+    ids = re.findall(r'\bid="([^"]+)"', html)
+    assert len(ids) > 100 and len(ids) == len(set(ids))  # ten inline SVGs, none sharing an id
+    refs = set(re.findall(r'(?:href="|url\()#([^")]+)', html))
+    assert refs and refs <= set(ids)
+
+
 def test_html_shows_the_same_numbers(rendered):
     out, _ = rendered
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
