@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from kvexp import machine  # noqa: E402
+
 VLLM_VENV = Path.home() / ".cache/kvexp/vllm-venv"
 VLLM_CLIENT = next(VLLM_VENV.glob("lib/python3*/site-packages/vllm/benchmarks/lib/endpoint_request_func.py"),
                    VLLM_VENV / "lib/python3/site-packages/vllm/benchmarks/lib/endpoint_request_func.py")
@@ -603,7 +605,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     idle = _idle_fraction()
     load = os.getloadavg()
-    print(f"# kvexp client fidelity — {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}, "
+    print(f"# kvexp client fidelity — {os.cpu_count()} cores ({machine.cpu_model()}), Python {platform.python_version()}, "
           f"aiohttp {aiohttp.__version__}, uvloop {_version('uvloop')}, orjson {_version('orjson')}; "
           f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; cores {idle * 100:.0f} % idle over 2 s")
     if idle < 0.9:
@@ -629,13 +631,6 @@ def _idle_fraction(seconds: float = 2.0) -> float:
     b = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     d = [int(y) - int(x) for x, y in zip(a, b)]
     return (d[3] + d[4]) / sum(d) if sum(d) else 0.0
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "?"
 
 
 def _version(module: str) -> str:

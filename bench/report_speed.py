@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvexp import pdf  # noqa: E402
+from kvexp import machine, pdf  # noqa: E402
 from kvexp import report as R  # noqa: E402
 
 REFERENCES = (ROOT / "tests" / "fixtures" / "rtx5070ti-qwen2.5-7b.json",
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     _, w3, c3 = timed(lambda: pdf.write(html, out / "pdf-one-process.pdf", out / "all", workers=1))
     _, w4, c4 = timed(lambda: pdf.write(html, out / "pdf-parallel.pdf", out / "all"))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{args.runs} runs, {levels} levels -> {out}   ({pdf.cpus()} CPUs, load average {load})")
+    print(f"{args.runs} runs, {levels} levels -> {out}   ({machine.usable_cpus()} CPUs, load average {load})")
     print("CPU: this process only; the parallel PDF's workers are not counted")
     print(f"md+html                  {w1:6.2f} s wall  {c1:6.2f} s CPU")
     print(f"pdf alone, one process   {w3:6.2f} s wall  {c3:6.2f} s CPU")

@@ -24,7 +24,6 @@ import contextvars
 import json
 import math
 import multiprocessing
-import os
 import queue
 import random
 import sys
@@ -36,6 +35,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import aiohttp
 
+from kvexp import machine
 from kvexp.backends.base import Request, StreamEvent
 
 ERROR_KINDS = ("timeout", "http_status", "connection", "protocol")
@@ -427,7 +427,7 @@ def client_environment(run: LevelRun, workers_setting: Any, event_loop_setting: 
     return {"name": "kvexp.loadgen", "version": __version__, "aiohttp": aiohttp.__version__, "json": decoder,
             "event_loop": run.event_loop, "workers": max(run.workers, previous.get("workers") or 0),
             "worker_processes": bool(previous.get("worker_processes")) or not run.in_process,
-            "workers_setting": workers_setting, "event_loop_setting": event_loop_setting, "cores": client_cores()}
+            "workers_setting": workers_setting, "event_loop_setting": event_loop_setting, "cores": machine.usable_cpus()}
 
 
 # ----------------------------------------------------------------------------- event loops, workers
@@ -466,13 +466,6 @@ def worker_loop_kind(event_loop: str) -> str:
     return event_loop
 
 
-def client_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 DEDICATED_MIN_CORES = 4  # workers=auto: from this many cores on, even one loop gets a process of its own
 
 
@@ -480,7 +473,7 @@ def resolve_workers(setting: int | str, streams: int) -> int:
     """The worker count for a level: a number as given, or for "auto" one per STREAMS_PER_WORKER
     concurrent streams, leaving two cores (the server's CPU side, the job's own process)."""
     if setting == "auto":
-        return max(1, min(client_cores() - 2, math.ceil(max(1, streams) / STREAMS_PER_WORKER)))
+        return max(1, min(machine.usable_cpus() - 2, math.ceil(max(1, streams) / STREAMS_PER_WORKER)))
     return max(1, int(setting))
 
 
@@ -490,7 +483,7 @@ def runs_in_process(setting: int | str, workers: int, event_loop: str) -> bool:
     spare for a dedicated measuring process."""
     if workers != 1 or event_loop not in ("auto", running_loop_kind()):
         return False
-    return setting != "auto" or client_cores() < DEDICATED_MIN_CORES
+    return setting != "auto" or machine.usable_cpus() < DEDICATED_MIN_CORES
 
 
 def split_closed(n_requests: int, concurrency: int, workers: int) -> list[tuple[int, list[int]]]:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing
-import os
 import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
+from kvexp import machine
 from kvexp.paths import atomic_write
 
 log = logging.getLogger(__name__)
@@ -61,13 +61,6 @@ def support() -> Optional[str]:
     return None
 
 
-def cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _start_method() -> str:
     """fork (quick: WeasyPrint is already imported) when this process holds no other thread; else spawn."""
     return "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
@@ -103,7 +96,7 @@ def write(html: str, path: Path, base_url: Optional[Path] = None, workers: Optio
     weasyprint()
     base = str(base_url or path.parent)
     if workers is None:
-        workers = min(cpus(), MAX_WORKERS) if html.count("<") >= PARALLEL_MIN_TAGS else 1
+        workers = min(machine.usable_cpus(), MAX_WORKERS) if html.count("<") >= PARALLEL_MIN_TAGS else 1
     data = None
     if workers > 1 and PART_MARK in html:
         try:

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from kvexp import __version__
+from kvexp import __version__, machine
 from kvexp.paths import atomic_write
 from kvexp.validate import SCHEMA_VERSION, ValidationFailed, errors_of, kind_of, validate_document
 
@@ -43,22 +43,12 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": machine.cpu_model(),
         "cpu_count": os.cpu_count(),
         "aiohttp": aiohttp.__version__,
         "argv": sys.argv[1:],
     }
     return {**env, **(extra or {})}
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from kvexp import loadgen, stats
+from kvexp import loadgen, machine, stats
 from kvexp.backends import openai
 from kvexp.backends.base import Request
 from kvexp.loadgen import (ClientOptions, LoadGenerator, LoopLagMonitor, RequestRecord, arrival_offsets,
@@ -239,12 +239,12 @@ def test_closed_loop_split_over_workers():
 
 
 def test_auto_workers(monkeypatch):
-    monkeypatch.setattr(loadgen, "client_cores", lambda: 16)
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 16)
     assert resolve_workers("auto", 64) == 1 and resolve_workers("auto", 65) == 2
     assert resolve_workers("auto", 10_000) == 14  # two cores left: the server's CPU side and the job's process
     assert not loadgen.runs_in_process("auto", 1, "auto")  # cores to spare: a measuring process of its own
     assert loadgen.runs_in_process(1, 1, "auto") and not loadgen.runs_in_process(1, 1, "uvloop")
-    monkeypatch.setattr(loadgen, "client_cores", lambda: 2)
+    monkeypatch.setattr(machine, "usable_cpus", lambda: 2)
     assert resolve_workers("auto", 1024) == 1 and loadgen.runs_in_process("auto", 1, "auto")
     assert resolve_workers(3, 1) == 3 and not loadgen.runs_in_process(3, 3, "auto")
 
