@@ -792,7 +792,7 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         if "html" in formats:
             files["html"] = atomic_write(out_dir / "report.html", html)
     files["json"] = atomic_write(out_dir / "comparison.json",
-                                  json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
+                                 json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
     files["csv"] = write_csv(aggregate, out_dir / "comparison.csv")
     if "pdf" in formats and html is not None:
         try:
