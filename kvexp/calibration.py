@@ -69,6 +69,14 @@ class Measurement:
     def kv_key(self) -> str:
         return canonical_kv_dtype(self.kv_dtype, self.dtype_bytes)
 
+    @property
+    def paged(self) -> bool:
+        """The backend sizes a paged KV pool from memory (vLLM): its capacity is a prediction to check."""
+        from kvexp.backends import find
+
+        adapter = find(self.backend)
+        return adapter is not None and adapter.cache_model.paged
+
 
 # ---------------------------------------------------------------------------------------------------
 # Reading measurements out of runs (pure)
@@ -160,7 +168,7 @@ def measurements_from_runs(runs: Iterable[Mapping[str, Any]],
 
 def predicted_tokens(m: Measurement, overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> Optional[int]:
     """The planner's vLLM KV capacity for this job's inputs (None if not vLLM or inputs unknown)."""
-    if m.backend != "vllm" or m.kv_bytes_per_token is None:
+    if not m.paged or m.kv_bytes_per_token is None:
         return None
     if m.kv_cache_memory_bytes is not None:
         return capacity_from_kv_bytes(m.kv_cache_memory_bytes, m.kv_bytes_per_token,
@@ -225,7 +233,7 @@ def calibration_rows(items: Iterable[Measurement | Mapping[str, Any]]) -> list[d
 def fit_overhead_gib(m: Measurement) -> Optional[float]:
     """The overhead that makes the prediction equal this job's measurement: vLLM from the reported
     capacity, llama.cpp/Ollama from peak GPU memory (peak - weights - KV bytes); None if unknown."""
-    if m.backend == "vllm":
+    if m.paged:
         if m.kv_cache_memory_bytes is not None:  # a fixed pool: no overhead in play
             return None
         if None in (m.actual_tokens, m.gpu_gib, m.weights_gib, m.kv_bytes_per_token):

@@ -17,6 +17,7 @@ import re
 import shlex
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -27,8 +28,6 @@ from kvexp.paths import data_dir
 
 log = logging.getLogger("kvexp")
 GROUPS = ("backend", "model", "kv", "scenario", "gpu")
-_FAILED: list[str] = []
-_RESUME_DIR: list[Path] = []  # the sweep (or run) folder of the job in progress, for the resume hint
 
 
 def safe_name(text: str) -> str:
@@ -36,9 +35,12 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
 
 
-if not OmegaConf.has_resolver("safe"):
-    OmegaConf.register_new_resolver("safe", safe_name)
-register_configs()
+def setup_hydra() -> None:
+    """Register kvexp's schemas and the `safe` resolver with Hydra/OmegaConf (idempotent; called before
+    anything composes a config, never at import)."""
+    if not OmegaConf.has_resolver("safe"):
+        OmegaConf.register_new_resolver("safe", safe_name)
+    register_configs()
 
 
 # ---------------------------------------------------------------- composing and checking configs
@@ -96,10 +98,28 @@ def compose(overrides: list[str]) -> ExperimentConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    setup_hydra()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
         node = hydra_compose(config_name="config", overrides=overrides)
     return to_experiment(node)
+
+
+def output_folder(overrides: list[str], multirun: bool) -> Path:
+    """The folder Hydra will write this run (or sweep) to, resolved now: its ${now:...} is fixed here
+    and passed to Hydra as hydra.run.dir / hydra.sweep.dir, so kvexp knows where results go before
+    any job starts (for the resume hint and the exit status) without asking Hydra's callbacks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    setup_hydra()
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        first = sweep_overrides(overrides)[0]
+        node = hydra_compose(config_name="config", overrides=first, return_hydra_config=True)
+    return Path(str(OmegaConf.select(node, key)))
 
 
 def to_experiment(node: Any) -> ExperimentConfig:
@@ -137,18 +157,31 @@ def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- the experiment (Hydra app)
+@dataclass
+class _Sweep:
+    """What one `python -m kvexp` invocation knows while its jobs run (passed to the Hydra task
+    function by closure, never kept in module globals)."""
+
+    folder: Path  # the run folder, or the sweep folder of a multirun
+    multirun: bool
+    pool: Any  # runner.ServerPool: a server kept for an identical next job
+    failed: list[str] = field(default_factory=list)
+
+
 def run_experiment(argv: list[str]) -> int:
     """Run (or sweep) the jobs argv describes. SIGINT/SIGTERM stop every server kvexp started, keep what
     was measured and exit 128+signal with the command that resumes."""
     from kvexp.backends import process
+    from kvexp.runner import ServerPool
 
     overrides = [a for a in argv if not a.startswith("-")]
-    _FAILED.clear()
-    _RESUME_DIR.clear()
+    multirun = any(a in ("-m", "--multirun") for a in argv)
     handlers = process.raise_on_signals()
+    sweep: Optional[_Sweep] = None
     try:
         try:
-            from kvexp.runner import auth_headers, server_program
+            from kvexp import backends
+            from kvexp.runner import auth_headers
 
             stray = [a for a in overrides if "=" not in a and not a.startswith("~")]
             if stray:
@@ -157,50 +190,85 @@ def run_experiment(argv: list[str]) -> int:
             kvs = kv_choices()
             for _, cfg in compose_all(overrides):
                 if check(cfg, kvs) is None:
-                    server_program(cfg)
+                    if not cfg.backend.endpoint:
+                        backends.adapter_class(cfg.backend.name).locate_program(cfg)
                     auth_headers(cfg)
+            dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+            pinned = next((a for a in overrides if a.lstrip("+").startswith(dir_key + "=")), None)
+            folder = Path(_override_value(pinned)) if pinned else output_folder(overrides, multirun)
         except ConfigError as e:
             print(f"kvexp: {e}", file=sys.stderr)
             return 1
+        sweep = _Sweep(folder=folder.resolve(), multirun=multirun, pool=ServerPool())
         import hydra
 
         @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
         def app(node: Any) -> None:
-            _task(node)
+            _task(node, sweep, kvs)
 
-        sys.argv = [sys.argv[0], *argv]
+        extra = [] if pinned else [f"{dir_key}={_hydra_value(str(folder))}"]
+        sys.argv = [sys.argv[0], *argv, *extra]
         app()
     except KeyboardInterrupt as e:
         process.stop_all()
         name = str(e) or "SIGINT"
-        hint = (f"resume with: python -m kvexp resume {shlex.quote(str(_RESUME_DIR[-1]))}" if _RESUME_DIR
+        hint = (f"resume with: python -m kvexp resume {shlex.quote(str(sweep.folder))}" if sweep
                 else "no job had started")
         print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
         return 128 + signal.Signals[name]
     finally:
+        if sweep is not None:
+            sweep.pool.release()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    if _FAILED:
-        print(f"kvexp: {len(_FAILED)} job(s) failed: {', '.join(_FAILED)}", file=sys.stderr)
+    failed = _failed_jobs(sweep)
+    if failed:
+        print(f"kvexp: {len(failed)} job(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
 
-def _task(node: Any) -> None:
+def _override_value(override: str) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return str(OverridesParser.create().parse_overrides([override])[0].value())
+
+
+def _hydra_value(text: str) -> str:
+    """A value quoted for a Hydra override when it holds characters the override grammar reads."""
+    if re.fullmatch(r"[\w./-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _failed_jobs(sweep: _Sweep) -> list[str]:
+    """The jobs that failed: those this process saw fail, and (a multirun's jobs may have run in other
+    processes or machines: submitit, Ray) those whose folder says failed or holds no result."""
+    from kvexp.summary import job_statuses
+
+    failed = list(sweep.failed)
+    if sweep.multirun:
+        try:
+            seen = set(failed) | {safe_name(x) for x in failed}
+            failed += [label for label, status in job_statuses(sweep.folder).items()
+                       if status in ("failed", "missing") and label not in seen]
+        except OSError as e:
+            log.error("sweep: could not read the job folders of %s: %s", sweep.folder, e)
+    return failed
+
+
+def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     from kvexp.runner import run_job, skipped_result
     from kvexp.summary import write_job_summary
 
-    hc = HydraConfig.get()
-    out_dir = Path(hc.runtime.output_dir)
-    _RESUME_DIR[:] = [Path(hc.sweep.dir).resolve() if hc.mode == RunMode.MULTIRUN else out_dir]
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg = to_experiment(node)
     cfg.output_dir = str(out_dir)
     label = job_label(cfg)
     try:
-        reason = check(cfg, kv_choices())
+        reason = check(cfg, kvs)
         if reason:
             log.warning("%s: skipped: %s", label, reason)
             result = skipped_result(cfg, out_dir, reason)
@@ -209,13 +277,13 @@ def _task(node: Any) -> None:
             from kvexp.progress import make_observer
 
             observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
-            result = run_job(cfg, out_dir, observer)
+            result = run_job(cfg, out_dir, observer, sweep.pool)
         write_job_summary(result, out_dir)
         log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
     except Exception as e:
         if not _is_known(e):
             raise  # a bug in kvexp: keep the traceback
-        _FAILED.append(label)
+        sweep.failed.append(label)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         log.error("%s: failed: %s (see %s)", label, first, out_dir)
 
@@ -254,31 +322,22 @@ except ImportError:  # pragma: no cover
 
 
 class SweepCallback(Callback):  # type: ignore[misc]
-    """At the end of a multirun: stop the kept server, summarise the sweep from what every job wrote
-    (jobs may have run in other processes or machines: submitit, Ray), count the jobs that failed there
-    towards the exit status, and log where the sweep's time went."""
+    """At the end of a multirun: summarise the sweep from what every job wrote (jobs may have run in
+    other processes or machines: submitit, Ray) and log where the sweep's time went. It keeps no state
+    beyond the sweep's start time; the exit status is counted from the job folders by run_experiment."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         import time
 
         self._t0 = time.monotonic()
-        _RESUME_DIR[:] = [Path(config.hydra.sweep.dir).resolve()]  # also when jobs run elsewhere (submitit)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.runner import POOL
-        from kvexp.summary import job_results, job_statuses, sweep_timing, timing_line, write_sweep_outputs
+        from kvexp.summary import job_results, sweep_timing, timing_line, write_sweep_outputs
 
-        POOL.release()
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
-        try:
-            for label, status in job_statuses(sweep_dir).items():
-                if status in ("failed", "missing") and label not in {safe_name(x) for x in _FAILED} | set(_FAILED):
-                    _FAILED.append(label)  # a job in another process cannot append here itself
-        except OSError as e:
-            log.error("sweep: could not read the job folders of %s: %s", sweep_dir, e)
         try:
             written = write_sweep_outputs(sweep_dir, wall)
             for p in written:
@@ -286,11 +345,6 @@ class SweepCallback(Callback):  # type: ignore[misc]
             log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall)))
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
-
-    def on_run_end(self, config: Any, **kwargs: Any) -> None:
-        from kvexp.runner import POOL
-
-        POOL.release()
 
 
 # ---------------------------------------------------------------- subcommands
@@ -321,10 +375,7 @@ def resume_args(folder: Path) -> list[str]:
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
     kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
-    where = str(folder.resolve())
-    if not re.fullmatch(r"[\w./-]+", where):
-        where = "'" + where.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return (["-m"] if multirun else []) + kept + [f"{dir_key}={where}", "resume=true"]
+    return (["-m"] if multirun else []) + kept + [f"{dir_key}={_hydra_value(str(folder.resolve()))}", "resume=true"]
 
 
 def cmd_resume(argv: list[str]) -> int:
@@ -389,7 +440,7 @@ def cmd_report(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     from kvexp import calibration
-    from kvexp.planner import plan_table
+    from kvexp.summary import plan_table
 
     try:
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
@@ -401,16 +452,13 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_install(argv: list[str]) -> int:
-    from kvexp import install
+    from kvexp.backends import REGISTRY
 
     ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs.")
-    ap.add_argument("what", choices=["llamacpp", "vllm"])
+    ap.add_argument("what", choices=[name for name, a in REGISTRY.items() if a.installable])
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    if args.what == "llamacpp":
-        install.build_llama_server(force=args.force)
-    else:
-        install.install_vllm(force=args.force)
+    REGISTRY[args.what].install(force=args.force)
     return 0
 
 

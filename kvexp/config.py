@@ -10,9 +10,6 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-BACKENDS = ("llamacpp", "vllm", "ollama")
-
-
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the key and what is allowed."""
 
@@ -38,33 +35,6 @@ class BackendConfig:
 
 
 @dataclass
-class LlamaCppConfig(BackendConfig):
-    name: str = "llamacpp"
-    binary: Optional[str] = None  # path or name on PATH; None: PATH, then kvexp's cached build
-    threads: Optional[int] = None
-    n_gpu_layers: Optional[int] = None
-    flash_attn: str = "on"  # on | off | auto
-
-
-@dataclass
-class VLLMConfig(BackendConfig):
-    name: str = "vllm"
-    python: Optional[str] = None  # interpreter with vLLM installed; None: kvexp's venv, then sys.executable
-    dtype: Optional[str] = None  # model dtype (--dtype)
-    gpu_memory_utilization: Optional[float] = 0.9
-    kv_cache_memory_bytes: Optional[int] = None
-    block_size: Optional[int] = None
-    enforce_eager: bool = False
-
-
-@dataclass
-class OllamaConfig(BackendConfig):
-    name: str = "ollama"
-    binary: Optional[str] = None  # `ollama` on PATH by default
-    flash_attention: bool = True
-
-
-@dataclass
 class ModelConfig:
     name: str = MISSING
     # What each backend serves. "@tiny" means the tiny model kvexp makes itself.
@@ -82,8 +52,7 @@ class ModelConfig:
 
 @dataclass
 class KVConfig:
-    name: str = MISSING  # portable name: fp16, bf16, fp8, q8_0, q4_0
-    bytes_per_element: float = MISSING
+    name: str = MISSING  # portable name: fp16, bf16, fp8, q8_0, q4_0 (bytes per element: planner.py)
     # The backend's own spelling of this dtype; a backend missing here cannot use it.
     per_backend: dict[str, str] = field(default_factory=dict)
 
@@ -161,9 +130,10 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
-    cs.store(group="backend", name="llamacpp_schema", node=LlamaCppConfig)
-    cs.store(group="backend", name="vllm_schema", node=VLLMConfig)
-    cs.store(group="backend", name="ollama_schema", node=OllamaConfig)
+    from kvexp.backends import REGISTRY  # each backend's schema lives beside its adapter
+
+    for adapter in REGISTRY.values():
+        cs.store(group="backend", name=f"{adapter.name}_schema", node=adapter.config_class)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="kv", name="kv_schema", node=KVConfig)
     cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)
@@ -177,8 +147,10 @@ def _require(cond: bool, msg: str) -> None:
 
 def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
     """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
+    from kvexp.backends import adapter_class
+
     b, s, kv = cfg.backend, cfg.scenario, cfg.kv
-    _require(b.name in BACKENDS, f"backend.name={b.name!r}: allowed values are {', '.join(BACKENDS)}")
+    ref = adapter_class(b.name).model_field
     _require(cfg.unsupported in ("error", "skip"),
              f"unsupported={cfg.unsupported!r}: allowed values are error, skip")
     _require(s.prompt_tokens >= 1, f"scenario.prompt_tokens={s.prompt_tokens}: must be >= 1")
@@ -201,7 +173,6 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     check_client(cfg.client)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
-    ref = {"llamacpp": "gguf", "vllm": "hf", "ollama": "ollama"}[b.name]
     _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
              f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
 

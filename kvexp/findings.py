@@ -15,25 +15,20 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-# Thresholds for "this level is unstable" and "throughput stopped growing".
-MIN_REQUESTS = 20
-SPREAD_RATIO = 3.0  # TTFT p95 / p50 above this: a wide spread
-MAX_CV = 0.10  # coefficient of variation of throughput across repeats (a fraction)
+from kvexp import backends
+from kvexp.levels import MAX_CV, MIN_REQUESTS, SPREAD_RATIO
+from kvexp.levels import WARNING_CODES as LEVEL_WARNING_CODES
+from kvexp.planner import KV_BYTES_PER_ELEMENT, kv_bytes_per_token
+
+# Thresholds for "throughput stopped growing" (those for unstable levels live in levels.py).
 SATURATION_TPUT_GROWTH = 0.10  # throughput grows less than this between two levels ...
 SATURATION_TTFT_GROWTH = 0.50  # ... while TTFT p50 grows more than this: requests queue
 
-BACKEND_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp", "ollama": "Ollama"}
-# Backends that can only cap output length; used when a run does not record `variable_length`.
-CAP_ONLY_BACKENDS = {"ollama"}
 # KV figures a backend may not expose: null means "not exposed", never 0.
 EXPOSURE_KEYS = ("peak_kv_cache_usage", "preemptions")
 
-# Bytes per element of common KV dtypes (llama.cpp block types include their scales).
-KV_BYTES = {
-    "fp32": 4.0, "f32": 4.0, "fp16": 2.0, "f16": 2.0, "bf16": 2.0, "half": 2.0, "auto": 2.0,
-    "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "q8_0": 34 / 32, "q8": 34 / 32,
-    "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "q4": 18 / 32,
-}
+# Short spellings seen in other tools' labels, beside planner.KV_BYTES_PER_ELEMENT's.
+_KV_ALIASES = {"q8": "q8_0", "q4": "q4_0", "auto": "fp16"}
 _LABEL_KV = re.compile(r"(?:^|[-_.])(fp32|f32|fp16|f16|bf16|fp8|q8_0|q8|q5_1|q5_0|q4_1|q4_0|q4)[-_]?kv(?:$|[-_.])",
                        re.IGNORECASE)
 
@@ -43,7 +38,13 @@ _LABEL_KV = re.compile(r"(?:^|[-_.])(fp32|f32|fp16|f16|bf16|fp8|q8_0|q8|q5_1|q5_
 
 
 def backend_name(backend: Optional[str]) -> str:
-    return BACKEND_NAMES.get(backend or "", backend or "unknown backend")
+    return backends.display_name(backend)
+
+
+def caps_output_only(run: dict) -> bool:
+    """The run's backend can only cap output length (used when a run does not record variable_length)."""
+    adapter = backends.find(run.get("backend"))
+    return adapter is not None and not adapter.capabilities.forces_output_length
 
 
 def is_num(v: Any) -> bool:
@@ -316,7 +317,8 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
 
 
 def _kv_bytes(name: str, table: dict[str, float]) -> Optional[float]:
-    return table.get(name, KV_BYTES.get(name.lower()))
+    key = name.lower()
+    return table.get(name, KV_BYTES_PER_ELEMENT.get(_KV_ALIASES.get(key, key)))
 
 
 def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float]] = None) -> list[Finding]:
@@ -447,7 +449,7 @@ def not_exposed(runs: Iterable[dict]) -> Optional[Finding]:
 
 def variable_length(run: dict) -> Optional[Finding]:
     flag = run.get("variable_length")
-    assumed = flag is None and run.get("backend") in CAP_ONLY_BACKENDS
+    assumed = flag is None and caps_output_only(run)
     if not (flag is True or assumed):
         return None
     outs = [v for v in (num(lv, "mean_output_tokens") for lv in run.get("levels") or []) if v is not None]
@@ -551,9 +553,11 @@ def repeat_stats(level: dict) -> dict[str, Optional[float]]:
     return out
 
 
-# A run's own warning texts (kvexp's runner writes them) mapped to the codes of the checks below.
-_REPORTED = (("requests failed", "errors"), ("only ", f"n<{MIN_REQUESTS}"), ("spread", "spread"),
-             ("client", "client"))
+# A run's own warning codes (levels.py) -> (kind, table tag) of the checks below; other codes are shown
+# as recorded. Plain-text warnings (schema_version 1) are shown as recorded.
+_REPORTED = {"errors": ("errors", "errors"), "few_requests": ("few_requests", f"n<{MIN_REQUESTS}"),
+             "ttft_spread": ("spread", "spread"), "client_limited": ("client_limited", "client"),
+             "unstable": ("cv", "cv")}
 
 
 def level_warnings(aggregate: dict) -> list[LevelWarning]:
@@ -584,9 +588,10 @@ def level_warnings(aggregate: dict) -> list[LevelWarning]:
             reported = lv.get("warnings")
             if isinstance(reported, list):
                 for w in reported:
-                    text = str(w)
-                    code = next((c for needle, c in _REPORTED if needle in text.lower()), "warn")
-                    add("reported" if code == "warn" else code, code, text)
+                    code = w.get("code") if isinstance(w, dict) else None
+                    text = str(w.get("text") if isinstance(w, dict) else w)
+                    kind, tag = _REPORTED.get(str(code), ("reported", str(code) if code else "warn"))
+                    add(kind, tag, text)
             else:
                 errors, requests = num(lv, "errors"), num(lv, "requests")
                 if errors:
@@ -616,6 +621,7 @@ def level_warnings(aggregate: dict) -> list[LevelWarning]:
 
 
 WARNING_CODES = {
+    **LEVEL_WARNING_CODES,  # codes a run recorded itself and shows as recorded
     "failed": "the level failed",
     "errors": "some requests failed",
     f"n<{MIN_REQUESTS}": f"fewer than {MIN_REQUESTS} requests",
@@ -706,7 +712,7 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
     kvb = (pl.get("kv_bytes") or {}).get(row.get("kv_cache_dtype"))
     dims = ("n_layers", "n_kv_heads", "head_dim")
     if isinstance(arch, dict) and is_num(kvb) and all(is_num(arch.get(k)) for k in dims):
-        bpt = 2 * arch["n_layers"] * arch["n_kv_heads"] * arch["head_dim"] * kvb
+        bpt = kv_bytes_per_token(arch["n_layers"], arch["n_kv_heads"], arch["head_dim"], kvb)
     return RunPlan(
         label, "calibration table", bpt, cap, math.floor(cap / per_req) if cap else None, levels_for(cap),
         ccap, math.floor(ccap / per_req) if ccap else None, levels_for(ccap), per_req)

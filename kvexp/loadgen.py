@@ -76,6 +76,10 @@ class RequestRecord:
 
 
 class Streamer(Protocol):
+    """What the load generator needs of an adapter (backends.base.Adapter implements it)."""
+
+    stream_keepalive: bool  # False: the server closes the connection after each streamed response
+
     def parse_line(self, line: bytes) -> Optional[StreamEvent]: ...
 
 
@@ -160,7 +164,7 @@ class LoadGenerator:
         # llama-server closes the connection after every streamed response; saying so up front keeps
         # aiohttp from reusing a socket the server is closing (a false connection error)
         self.headers = {"Content-Type": "application/json"}
-        if not getattr(streamer, "stream_keepalive", True):
+        if not streamer.stream_keepalive:
             self.headers["Connection"] = "close"
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
         weakref.finalize(self, _close_pools, self._pools)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from kvexp.config import ModelConfig
 from kvexp.planner import DEFAULT_DTYPE_BYTES, GIB_BYTES, PRESETS, ModelArch, estimate_weights_gib
 
-__all__ = ["ModelArch", "arch_from", "arch_for_backend", "model_files", "hf_config_fields",
+__all__ = ["ModelArch", "arch_from", "arch_for", "model_files", "hf_config_fields",
            "gguf_fields", "read_hf_config", "read_gguf_fields", "weights_bytes_on_disk"]
 
 ARCH_KEYS = ("n_layers", "n_kv_heads", "head_dim", "params_b", "weight_bits", "dtype_bytes",
@@ -260,10 +260,12 @@ def _hf_cache_snapshot(repo_id: str) -> Optional[Path]:
     return next((c for c in candidates if (c / "config.json").is_file()), None)
 
 
-def model_files(model: ModelConfig, backend: Optional[str]) -> Optional[Path]:
-    """Where this backend's model lives on this machine: vLLM the `hf` directory (or its hub-cache
-    snapshot), llama.cpp the `gguf` file; None when not on disk (Ollama's store is not read)."""
-    if backend == "llamacpp" or (backend is None and model.gguf and not model.hf):
+def model_files(model: ModelConfig, field: Optional[str]) -> Optional[Path]:
+    """Where the model a backend serves lives on this machine, by the ModelConfig field the backend
+    serves (its adapter's model_field): `hf` a directory (or its hub-cache snapshot), `gguf` a file;
+    None when not on disk (other fields, e.g. an Ollama tag, name no file kvexp reads). field None:
+    whichever the model has (gguf when it has only that)."""
+    if field == "gguf" or (field is None and model.gguf and not model.hf):
         if model.gguf == TINY:
             try:
                 from kvexp.tinymodels import tiny_gguf_path
@@ -274,7 +276,7 @@ def model_files(model: ModelConfig, backend: Optional[str]) -> Optional[Path]:
                 return None
         p = Path(os.path.expanduser(model.gguf)) if model.gguf else None
         return p if p is not None and p.exists() else None
-    if backend in ("vllm", None) and model.hf and model.hf != TINY:
+    if field in ("hf", None) and model.hf and model.hf != TINY:
         p = Path(os.path.expanduser(model.hf))
         if p.exists():
             return p
@@ -349,6 +351,12 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
     )
 
 
-def arch_for_backend(model: ModelConfig, backend: Optional[str]) -> ModelArch:
-    """arch_from with the files this backend would serve (see model_files)."""
-    return arch_from(model, model_files(model, backend))
+def arch_for(model: ModelConfig, field: Optional[str], served: Optional[str] = None) -> ModelArch:
+    """The architecture of the model a backend serves: preset merged with its files. served: the path
+    the backend actually serves, if known (e.g. the tiny model kvexp wrote); else the files `field`
+    names (see model_files)."""
+    if served:
+        p = Path(served).expanduser()
+        if p.exists():
+            return arch_from(model, p)
+    return arch_from(model, model_files(model, field))

@@ -10,28 +10,25 @@ model presets. The core formulas:
     llama.cpp          = `-c CTX` cells in total, shared by `-np N` slots (CTX/N each)
     Ollama             = OLLAMA_CONTEXT_LENGTH x OLLAMA_NUM_PARALLEL cells
 
-Nothing here reads files or prints; `plan_table` is the one entry that resolves model files (through
-modelinfo) before calling the pure functions."""
+Nothing here reads files, prints or knows a backend by name: a server's cache layout arrives as a
+`CacheModel` (each adapter in kvexp/backends declares its own) and a launched server as the adapter's
+resolved spec (`plan`). Reading model files lives in modelinfo.py, the calibration file in
+calibration.py, the Markdown plan table in summary.py."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
-
-from kvexp.config import highest_concurrency
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
-    from kvexp.config import ExperimentConfig
+    from kvexp.backends.base import ServerSpec
 
 GIB_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_OVERHEAD_GIB = 1.5
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_DTYPE_BYTES = 2  # fp16/bf16 model weights; what vLLM's kv "auto" means for them
-LLAMACPP_CONTEXT_MARGIN_TOKENS = 16  # kvexp's llama.cpp adapter: -c = slots x (prompt + output + 16)
-VLLM_CONTEXT_MARGIN_TOKENS = 16  # conf/backend/vllm.yaml: --max-model-len = prompt + output + margin
-OLLAMA_DEFAULT_PARALLEL = 1
 
 # Bytes per KV element for every spelling kvexp's backends use. Block-quantised llama.cpp types store
 # 32 elements in a block with one fp16 scale (q8_0: 32 + 2 = 34 bytes; q4_0: 16 + 2 = 18 bytes).
@@ -52,6 +49,30 @@ _CANONICAL_KV = {
     "bf16": "fp16", "bfloat16": "fp16",
     "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_inc": "fp8",
 }
+
+
+@dataclass(frozen=True)
+class CacheModel:
+    """How a server lays out its KV cache, as far as the planner needs to know (declared by each
+    adapter; the planner never asks which backend it is).
+
+    paged: one pool of blocks sized from a memory budget and shared by all sequences; a sequence that
+    does not fit is preempted (vLLM). Otherwise each slot has a fixed context and requests beyond the
+    slots queue (llama.cpp, Ollama).
+    context_per_slot: the context setting is per sequence (Ollama's OLLAMA_CONTEXT_LENGTH) rather than
+    shared by all slots (llama.cpp's -c).
+    cell_pad: each slot's cells are rounded up to a multiple of this (llama-server: 256).
+    default_slots: sequences at once when nothing sets it (None: not limited).
+    default_context: the context when nothing sets it, from (GPU GiB, the model's own context);
+    None: the model's own context."""
+
+    name: str
+    paged: bool
+    context_per_slot: bool = False
+    cell_pad: int = 1
+    default_slots: Optional[int] = 1
+    default_context: Optional[Callable[[Optional[float], Optional[int]], int]] = None
+    default_block_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -204,18 +225,6 @@ def kv_usage(running: int, capacity_tokens: int, request_tokens: int,
     return min(1.0, running * request_tokens / capacity_tokens)
 
 
-def ollama_default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optional[int] = None) -> int:
-    """Ollama's default OLLAMA_CONTEXT_LENGTH by VRAM: < 24 GiB 4k, 24-48 GiB 32k, >= 48 GiB 256k
-    (capped at the model's own context where known)."""
-    if gpu_gib is None or gpu_gib < 24:
-        ctx = 4096
-    elif gpu_gib < 48:
-        ctx = 32768
-    else:
-        ctx = 262144
-    return min(ctx, model_context_tokens) if model_context_tokens else ctx
-
-
 def _gib(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 4)
 
@@ -224,28 +233,26 @@ def _gib(x: Optional[float]) -> Optional[float]:
 # The per-job planner block
 
 
-LLAMACPP_CELL_PAD = 256
-
-
-def llamacpp_cells_per_slot(context_tokens: int, slots: int) -> int:
-    """KV cells llama-server gives each slot for `-c context -np slots`: each slot's share, padded up
-    to a multiple of 256 (seen on the real server: -c 128 -np 2 gives 2 x 256 cells, -c 4096 -np 3
-    gives 3 x 1536)."""
+def cells_per_slot(context_tokens: int, slots: int, pad: int = 1) -> int:
+    """KV cells each of `slots` slots gets from a shared context, rounded up to a multiple of `pad`
+    (llama-server pads to 256: -c 128 -np 2 gives 2 x 256 cells, -c 4096 -np 3 gives 3 x 1536)."""
     share = max(1, context_tokens // max(1, slots))
-    return -(-share // LLAMACPP_CELL_PAD) * LLAMACPP_CELL_PAD
+    return -(-share // pad) * pad
 
 
-def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None, *,
+def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float | None, *,
              prompt_tokens: int, max_tokens: int, levels: list[int],
              gpu_memory_utilization: float | None = None, context: int | None = None,
              parallel: int | None = None, block_size: int | None = None,
              overhead_gib: float | None = None, calibrated_overhead_gib: float | None = None,
-             kv_cache_memory_bytes: int | None = None) -> dict[str, Any]:
+             kv_cache_memory_bytes: int | None = None, unified_kv: bool = False) -> dict[str, Any]:
     """The JSON-ready planner block of one job. Keys (stable; None where unknown):
 
     kv_bytes_per_element, kv_bytes_per_token
-    capacity_tokens    vLLM: KV pool in tokens (blocks x block_size; None when the GPU size is
-                       unknown and no kv_cache_memory_bytes); llama.cpp: -c cells; Ollama: ctx x parallel
+    capacity_tokens    paged (vLLM): KV pool in tokens (blocks x block_size; None when the GPU size is
+                       unknown and no kv_cache_memory_bytes); slots: every slot's cells (llama.cpp -c
+                       shared by the slots, each padded; one stream of -c cells with unified_kv;
+                       Ollama: ctx x parallel)
     blocks, block_size vLLM only (None elsewhere)
     kv_cache_bytes     capacity_tokens x kv_bytes_per_token
     context_per_slot_tokens  longest sequence one slot/request may reach (vLLM: max_model_len or capacity)
@@ -267,9 +274,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
     inputs             every number the block was computed from
     sources            where each input came from (the model's `sources` plus "argument"/"default")
     """
-    backend = backend.strip().lower()
-    if backend not in ("vllm", "llamacpp", "ollama"):
-        raise ValueError(f"backend {backend!r}: allowed values are vllm, llamacpp, ollama")
+    paged = cache.paged
     sources: dict[str, str] = dict(arch.sources)
 
     def given(name: str, value: Any, default: Any, default_source: str = "default") -> Any:
@@ -282,30 +287,24 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
     request_tokens = prompt_tokens + max_tokens
     weights = arch.weights_gib
     util = bs = None
-    if backend == "vllm":
+    if paged:
         util = given("gpu_memory_utilization", gpu_memory_utilization, DEFAULT_GPU_MEMORY_UTILIZATION,
                      "default (reference planner)")
-        bs = given("block_size", block_size, DEFAULT_BLOCK_SIZE, "default (vLLM on GPU)")
-        slots = parallel
-        sources["parallel"] = "argument" if parallel is not None else "not limited"
-        model_ctx = context if context is not None else arch.context_length_tokens
-        sources["context_tokens"] = ("argument" if context is not None else
-                                     "model's context length" if model_ctx is not None else "unknown")
-    elif backend == "llamacpp":
-        slots = given("parallel", parallel, 1)
-        model_ctx = given("context_tokens", context, arch.context_length_tokens,
-                          "model's context length (-c 0)")
+        bs = given("block_size", block_size, cache.default_block_size or DEFAULT_BLOCK_SIZE,
+                   f"default ({cache.name})")
+    slots = given("parallel", parallel, cache.default_slots,
+                  f"{cache.name} default" if cache.default_slots else "not limited")
+    if context is not None or cache.default_context is None:
+        model_ctx = given("context_tokens", context, arch.context_length_tokens, "model's context length")
     else:
-        slots = given("parallel", parallel, OLLAMA_DEFAULT_PARALLEL, "Ollama default")
-        model_ctx = given("context_tokens", context,
-                          ollama_default_context_tokens(gpu_gib, arch.context_length_tokens),
-                          "Ollama default for this VRAM")
+        model_ctx = given("context_tokens", None, cache.default_context(gpu_gib, arch.context_length_tokens),
+                          f"{cache.name} default for this GPU")
     if gpu_gib is not None:
         sources.setdefault("gpu_gib", "argument")
 
     def capacity_fields(ovh: float) -> dict[str, Any]:
         cap = per_slot = peak = max_ctx = fits = None
-        if bpt is not None and backend == "vllm":
+        if bpt is not None and paged:
             if kv_cache_memory_bytes is not None:
                 cap = capacity_from_kv_bytes(kv_cache_memory_bytes, bpt, bs)
             elif gpu_gib is not None and weights is not None:
@@ -316,28 +315,33 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
                 per_slot = min(model_ctx, cap) if model_ctx is not None else cap
                 fits = cap > 0 and (model_ctx is None or model_ctx <= cap)
         elif bpt is not None and model_ctx is not None:
-            if backend == "llamacpp":
-                per_slot = llamacpp_cells_per_slot(model_ctx, slots)
-                cap = per_slot * slots
+            n = slots or 1
+            if cache.context_per_slot:
+                cap, per_slot = model_ctx * n, model_ctx
+            elif unified_kv:  # one stream of -c cells that any slot may fill
+                cap = per_slot = cells_per_slot(model_ctx, 1, cache.cell_pad)
             else:
-                cap, per_slot = model_ctx * slots, model_ctx
+                per_slot = cells_per_slot(model_ctx, n, cache.cell_pad)
+                cap = per_slot * n
             if gpu_gib is not None and weights is not None:
                 max_ctx = max_context_tokens(gpu_gib, weights, bpt, overhead_gib=ovh)
-                if backend == "ollama":
-                    max_ctx //= slots
+                if cache.context_per_slot:
+                    max_ctx //= n
         kv_bytes = None if cap is None or bpt is None else _num(cap * bpt)
         if kv_bytes is not None and weights is not None:
             peak = weights + kv_bytes / GIB_BYTES + ovh
-            if gpu_gib is not None and (backend != "vllm" or kv_cache_memory_bytes is not None):
+            if gpu_gib is not None and (not paged or kv_cache_memory_bytes is not None):
                 fits = peak <= gpu_gib and fits is not False
         request_fits = None if per_slot is None else request_tokens <= per_slot
         max_pre = max_req = None
         if cap is not None and request_fits is not None:
-            if backend == "vllm":
+            if paged:
                 max_pre = max_concurrency(cap, request_tokens, bs) if request_fits else 0
                 max_req = max_pre if slots is None else min(max_pre, slots)
+            elif unified_kv:  # the slots share one stream: as many whole requests as it holds
+                max_req = min(slots or 1, cap // request_tokens) if request_fits else 0
             else:
-                max_req = slots if request_fits else 0
+                max_req = (slots or 1) if request_fits else 0
         rows = []
         for c in levels:
             running = c if slots is None else min(c, slots)
@@ -345,8 +349,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
             rows.append({
                 "concurrency": c,
                 "predicted_kv_usage": None if usage is None else round(usage, 4),
-                "predicts_preemption": (None if backend == "vllm" and max_pre is None
-                                        else backend == "vllm" and running > max_pre),
+                "predicts_preemption": (None if paged and max_pre is None else paged and running > max_pre),
                 "predicts_queueing": None if max_req is None else c > max_req,
             })
         return {
@@ -390,7 +393,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
         "levels": main["levels"],
         "calibrated": calibrated,
         "inputs": {
-            "backend": backend,
+            "backend": cache.name,
             "kv_dtype": kv_dtype,
             "model": arch.name,
             "n_layers": arch.n_layers,
@@ -405,6 +408,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, backend: str, gpu_gib: float | None
             "overhead_gib": overhead,
             "calibrated_overhead_gib": calibrated_overhead_gib,
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "unified_kv": unified_kv,
             "context_tokens": model_ctx,
             "parallel": slots,
             "prompt_tokens": prompt_tokens,
@@ -429,173 +433,18 @@ def reference_planner_block(kv_dtypes: tuple[str, ...] = ("auto", "fp8")) -> dic
 
 
 # ---------------------------------------------------------------------------------------------------
-# From typed configs
+# From a resolved server
 
 
-def scenario_levels(cfg: "ExperimentConfig") -> list[int]:
-    """Concurrency levels of the scenario (an open-loop scenario: its max_concurrency cap, if any)."""
-    s = cfg.scenario
-    if s.concurrency:
-        return [int(c) for c in s.concurrency]
-    return [int(s.max_concurrency)] if s.max_concurrency else []
-
-
-def backend_context_parallel(cfg: "ExperimentConfig") -> tuple[Optional[int], Optional[int]]:
-    """(context, parallel) as kvexp launches the backend (conf/backend/*.yaml); None: its default.
-
-    parallel (llama.cpp -np, vLLM --max-num-seqs, OLLAMA_NUM_PARALLEL): backend.parallel, else the
-    scenario's highest concurrency. context: backend.context, else llama.cpp parallel x (prompt +
-    output + 16) (kvexp's adapter), vLLM prompt + output + margin, Ollama OLLAMA_CONTEXT_LENGTH from
-    backend.env or Ollama's own default."""
-    b, s = cfg.backend, cfg.scenario
-    env = b.env or {}
-    highest = highest_concurrency(s)
-    request = s.prompt_tokens + s.max_tokens
-    if b.name == "llamacpp":
-        parallel = b.parallel or highest
-        return b.context or parallel * (request + LLAMACPP_CONTEXT_MARGIN_TOKENS), parallel
-    if b.name == "ollama":
-        parallel = b.parallel or _int_or_none(env.get("OLLAMA_NUM_PARALLEL")) or highest
-        return b.context or _int_or_none(env.get("OLLAMA_CONTEXT_LENGTH")), parallel
-    return b.context or request + VLLM_CONTEXT_MARGIN_TOKENS, b.parallel or highest
-
-
-def _int_or_none(x: Any) -> Optional[int]:
-    try:
-        return int(x) if x not in (None, "") else None
-    except (TypeError, ValueError):
-        return None
-
-
-def plan_for_config(cfg: "ExperimentConfig", arch: ModelArch, *, gpu_gib: Optional[float] = None,
-                    calibrated_overhead_gib: Optional[float] = None) -> dict[str, Any]:
-    """plan_job for one ExperimentConfig (gpu_gib: a measured size overrides cfg.gpu.memory_gib)."""
-    b = cfg.backend
-    kv_dtype = cfg.kv.per_backend.get(b.name) or cfg.kv.name
-    context, parallel = backend_context_parallel(cfg)
-    gpu = gpu_gib if gpu_gib is not None else cfg.gpu.memory_gib
-    plan = plan_job(
-        arch, kv_dtype, b.name, gpu,
-        prompt_tokens=cfg.scenario.prompt_tokens, max_tokens=cfg.scenario.max_tokens,
-        levels=scenario_levels(cfg),
-        gpu_memory_utilization=getattr(b, "gpu_memory_utilization", None),
-        context=context, parallel=parallel, block_size=getattr(b, "block_size", None),
-        calibrated_overhead_gib=calibrated_overhead_gib,
-        kv_cache_memory_bytes=getattr(b, "kv_cache_memory_bytes", None),
-    )
-    src = plan["sources"]
-    for key, value in (("gpu_memory_utilization", getattr(b, "gpu_memory_utilization", None)),
-                       ("block_size", getattr(b, "block_size", None))):
-        if value is not None:
-            src[key] = f"backend.{key}"
-    if gpu is not None:
-        src["gpu_gib"] = "measured" if gpu_gib is not None else "gpu config"
-    src["parallel"] = "backend.parallel" if b.parallel else "derived: highest concurrency level"
-    if b.context:
-        src["context_tokens"] = "backend.context"
-    elif b.name == "llamacpp":
-        src["context_tokens"] = "derived: parallel x (prompt + output + 16)"
-    elif b.name == "vllm":
-        src["context_tokens"] = "derived: prompt + output + 16"
-    return plan
-
-
-def resolve_arch(cfg: "ExperimentConfig", model_path: Optional[str] = None) -> ModelArch:
-    """The model's architecture for this backend: preset merged with its files (reads config.json
-    or the GGUF header through modelinfo when they are on disk). model_path: the path the backend
-    actually serves, if known."""
-    from pathlib import Path
-
-    from kvexp import modelinfo
-
-    if model_path:
-        p = Path(model_path).expanduser()
-        if p.exists():
-            return modelinfo.arch_from(cfg.model, p)
-    return modelinfo.arch_for_backend(cfg.model, cfg.backend.name)
-
-
-def plan_for_job(cfg: "ExperimentConfig", *, model_path: Optional[str] = None,
-                 gpu_name: Optional[str] = None, gpu_gib: Optional[float] = None,
-                 calibration: Optional[Mapping[str, Any]] = None,
-                 arch: Optional[ModelArch] = None) -> dict[str, Any]:
-    """The planner block for a job (what the runner stores as result["planner"]): resolves the
-    architecture (unless `arch` is given) and the calibrated overhead for (backend, GPU, KV dtype)
-    from a loaded calibration table, then calls plan_job. gpu_name / gpu_gib: measured values that
-    override cfg.gpu."""
-    from kvexp.calibration import lookup_overhead_gib
-
-    arch = arch or resolve_arch(cfg, model_path)
-    kv_dtype = cfg.kv.per_backend.get(cfg.backend.name) or cfg.kv.name
-    cal = lookup_overhead_gib(calibration, cfg.backend.name, gpu_name or cfg.gpu.name,
-                              canonical_kv_dtype(kv_dtype, arch.dtype_bytes))
-    return plan_for_config(cfg, arch, gpu_gib=gpu_gib, calibrated_overhead_gib=cal)
-
-
-def _fmt_int(x: Any) -> str:
-    return "-" if x is None else f"{x:,}"
-
-
-def _fmt_levels(rows: list[dict[str, Any]]) -> str:
-    out = []
-    for r in rows:
-        u = r["predicted_kv_usage"]
-        tag = "" if u is None else f" {u:.0%}" if u >= 0.1 or u == 0 else f" {u:.1%}"
-        if r["predicts_preemption"]:
-            tag += " preempts"
-        elif r["predicts_queueing"]:
-            tag += " queues"
-        out.append(f"{r['concurrency']}: {tag.strip() or '?'}")
-    return ", ".join(out) or "-"
-
-
-def plan_table(cfgs: list["ExperimentConfig"], calibration: dict | None) -> str:
-    """A Markdown table of the plan for each config: bytes/token, capacity, blocks, the largest
-    concurrency before preemption and the predicted KV usage per level, uncalibrated and calibrated.
-
-    Resolves each model's architecture first (modelinfo may read config.json / GGUF headers)."""
-    archs: dict[tuple[str, str], ModelArch] = {}
-    lines = [
-        "| model | backend | kv | scenario | bytes/token | capacity tokens | blocks | peak GiB | max conc. | "
-        "levels (KV usage) | cal. overhead GiB | cal. capacity | cal. max conc. | cal. levels |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
-    ]
-    notes: list[str] = []
-    for cfg in cfgs:
-        key = (cfg.model.name, cfg.backend.name)
-        if key not in archs:
-            archs[key] = resolve_arch(cfg)
-        kv_dtype = cfg.kv.per_backend.get(cfg.backend.name)
-        head = f"| {cfg.model.name} | {cfg.backend.name} | {kv_dtype or cfg.kv.name} | {cfg.scenario.name} "
-        if kv_dtype is None:
-            lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 9)
-            continue
-        try:
-            p = plan_for_job(cfg, calibration=calibration, arch=archs[key])
-        except ValueError as e:
-            lines.append(head + f"| {e} |" + " |" * 9)
-            continue
-        max_conc = (p["max_concurrency_before_preemption"] if cfg.backend.name == "vllm"
-                    else p["max_concurrent_requests"])
-        c = p["calibrated"]
-        c_conc = None if c is None else (c["max_concurrency_before_preemption"]
-                                         if cfg.backend.name == "vllm" else c["max_concurrent_requests"])
-        peak = p["predicted_peak_memory_gib"]
-        peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
-        lines.append(
-            head + f"| {_fmt_int(p['kv_bytes_per_token'])} | {_fmt_int(p['capacity_tokens'])} "
-            f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
-            f"| {'-' if c is None else c['overhead_gib']} "
-            f"| {'-' if c is None else _fmt_int(c['capacity_tokens'])} | {_fmt_int(c_conc)} "
-            f"| {'-' if c is None else _fmt_levels(c['levels'])} |")
-        srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
-        inp = p["inputs"]
-        weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
-        note = (f"- {cfg.model.name}/{cfg.backend.name}: GPU {cfg.gpu.name or '?'} "
-                f"{'?' if inp['gpu_gib'] is None else inp['gpu_gib']} GiB, weights {weights} GiB, "
-                f"overhead {inp['overhead_gib']} GiB; sources: {srcs}")
-        if note not in notes:
-            notes.append(note)
-    legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "
-              "(more queue). Levels: concurrency: predicted KV usage.")
-    return "\n".join(lines + ["", legend, ""] + notes) + "\n"
+def plan(arch: ModelArch, spec: "ServerSpec", gpu_gib: Optional[float], *, prompt_tokens: int,
+         max_tokens: int, levels: list[int], calibrated_overhead_gib: Optional[float] = None) -> dict[str, Any]:
+    """plan_job for the server an adapter resolved (kvexp/backends): the slots, context, KV dtype,
+    block size and KV budget the planner uses are the ones in the launch argv/env, and `sources` says
+    where the adapter took each from."""
+    out = plan_job(arch, spec.kv_backend_dtype, spec.cache, gpu_gib, prompt_tokens=prompt_tokens,
+                   max_tokens=max_tokens, levels=levels, gpu_memory_utilization=spec.gpu_memory_utilization,
+                   context=spec.context_tokens, parallel=spec.slots, block_size=spec.block_size,
+                   calibrated_overhead_gib=calibrated_overhead_gib, kv_cache_memory_bytes=spec.kv_budget_bytes,
+                   unified_kv=spec.unified_kv)
+    out["sources"].update(dict(spec.sources))
+    return out

@@ -31,6 +31,7 @@ from kvexp import charts as C
 from kvexp import findings as F
 from kvexp import pdf
 from kvexp.paths import atomic_write
+from kvexp.planner import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ def _output_length(run: dict) -> str:
         return "capped"
     if flag is False:
         return "forced"
-    return "capped (assumed)" if run.get("backend") in F.CAP_ONLY_BACKENDS else "—"
+    return "capped (assumed)" if F.caps_output_only(run) else "—"
 
 
 def _setup_view(agg: dict) -> dict:
@@ -423,7 +424,7 @@ def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], sca
         if any(y is not None for _, y in pts):
             out.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(x for x, _ in pts),
                                 tuple(None if y is None else y * scale for _, y in pts),
-                                C.MARKERS.get(str(r.get("backend")), "D"), linestyle))
+                                C.marker(r.get("backend")), linestyle))
     return out
 
 
@@ -474,7 +475,7 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
                 if pts:
                     dest.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(p.x for p in pts),
                                          tuple(p.predicted_kv_usage * 100 for p in pts),  # type: ignore[operator]
-                                         C.MARKERS.get(str(r.get("backend")), "D"), ls))
+                                         C.marker(r.get("backend")), ls))
                     sources.append(plan.source)
     hidden = [str(r.get("label")) for r in runs if r.get("levels") and not F.exposes(r, "peak_kv_cache_usage")]
     key = [("-", "measured")] if kv else []
@@ -517,7 +518,7 @@ def _scenario_views(agg: dict, colours: dict[str, str], warnings: list[F.LevelWa
             specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
             notes += n
             charts += [C.render_chart(s, png_dir, svg) for s in specs]
-        entries = [(str(r.get("label")), colours[str(r.get("label"))], C.MARKERS.get(str(r.get("backend")), "D"))
+        entries = [(str(r.get("label")), colours[str(r.get("label"))], C.marker(r.get("backend")))
                    for r in runs if any(F.usable(r, lv) for lv in r.get("levels") or [])]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
         legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
@@ -572,7 +573,8 @@ def _planner_view(agg: dict) -> dict:
             if all(F.is_num(m.get(k)) for k in ("n_layers", "n_kv_heads", "head_dim")):
                 for dt, b in kvb.items():
                     if F.is_num(b):
-                        per_tok.append(f"{dt} {2 * m['n_layers'] * m['n_kv_heads'] * m['head_dim'] * b / 1024:.1f}")
+                        bpt = kv_bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], b)
+                        per_tok.append(f"{dt} {bpt / 1024:.1f}")
             rows.append([str(name), F.format_value("n", m.get("n_layers")), F.format_value("n", m.get("n_kv_heads")),
                          F.format_value("n", m.get("head_dim")), F.format_value("params_b", m.get("params_b")),
                          ", ".join(per_tok) or "—"])

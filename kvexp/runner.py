@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,49 +17,20 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import prompts, stats
-from kvexp.backends.base import Backend, BackendError, KVCacheInfo
+from kvexp import backends, prompts, stats
+from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label, to_plain
 from kvexp.gpu import GIB, MemorySampler, gpu_info
+from kvexp.levels import Level, level_warnings
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, utc_now, write_json, write_jsonl)
+from kvexp.validate import SCHEMA_VERSION
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
 
-
-def server_program(cfg: ExperimentConfig) -> Optional[str]:
-    """The program that launches cfg's server (None when attaching to an endpoint or for Ollama's
-    default on PATH); raises ConfigError saying how to get it when it is missing."""
-    if cfg.backend.endpoint:
-        return None
-    name = cfg.backend.name
-    if name == "llamacpp":
-        from kvexp.install import find_llama_server
-
-        found = find_llama_server(cfg.backend.binary)
-        if found is None:
-            where = f"backend.binary={cfg.backend.binary}" if cfg.backend.binary else "PATH or kvexp's cache"
-            raise ConfigError(f"llama-server not found in {where}: run `python -m kvexp install llamacpp` "
-                              "(builds it once, ~5 min) or set backend.binary=/path/to/llama-server")
-        return str(found)
-    if name == "ollama":
-        program = cfg.backend.binary or "ollama"
-        if shutil.which(program) is None:
-            raise ConfigError(f"{program} not found: install Ollama (https://ollama.com/download) or set "
-                              "backend.binary=/path/to/ollama")
-        return program
-    if name == "vllm":
-        from kvexp.install import vllm_python
-
-        python = cfg.backend.python or (str(p) if (p := vllm_python()) else None)
-        if python is None:
-            raise ConfigError("vLLM not found: run `python -m kvexp install vllm` or set "
-                              "backend.python=/path/to/python-with-vllm")
-        return python
-    return None
 
 
 def auth_headers(cfg: ExperimentConfig) -> Optional[dict[str, str]]:
@@ -73,39 +43,6 @@ def auth_headers(cfg: ExperimentConfig) -> Optional[dict[str, str]]:
     if not key:
         raise ConfigError(f"backend.api_key_env={name}: that environment variable is not set")
     return {"Authorization": f"Bearer {key}"}
-
-
-def make_backend(cfg: ExperimentConfig) -> Backend:
-    """The adapter for cfg.backend.name, with its model and program resolved."""
-    name = cfg.backend.name
-    program = server_program(cfg)
-    if name == "llamacpp":
-        from kvexp.backends.llamacpp import LlamaCpp
-        from kvexp.tinymodels import ensure_tiny_gguf
-
-        gguf = cfg.model.gguf
-        if gguf == "@tiny":
-            gguf = str(ensure_tiny_gguf())
-        elif not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
-            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
-        return LlamaCpp(cfg, gguf, program)
-    if name == "vllm":
-        from kvexp.backends.vllm import VLLM
-        from kvexp.tinymodels import ensure_tiny_hf
-
-        hf = cfg.model.hf
-        if hf == "@tiny" and program:
-            hf = str(ensure_tiny_hf(Path(program)))
-        if not hf and not cfg.backend.endpoint:
-            raise ConfigError(f"model.hf is not set for model={cfg.model.name}: give a local folder or a model id")
-        return VLLM(cfg, hf, program)
-    if name == "ollama":
-        from kvexp.backends.ollama import Ollama
-
-        if not cfg.model.ollama:
-            raise ConfigError(f"model.ollama is not set for model={cfg.model.name}: give an Ollama model tag")
-        return Ollama(cfg, cfg.model.ollama, program)
-    raise ConfigError(f"backend.name={name!r}: allowed values are llamacpp, vllm, ollama")
 
 
 @dataclass
@@ -131,9 +68,8 @@ class ServerPool:
             self.current.process.stop()
             self.current = None
 
-    def acquire(self, backend: Backend, cfg: ExperimentConfig, log_path: Path) -> tuple[_Server, bool]:
-        argv0 = backend.launch_argv(0)
-        key = (tuple(argv0), tuple(sorted(backend.launch_env(0).items())))
+    def acquire(self, backend: Adapter, cfg: ExperimentConfig, log_path: Path) -> tuple[_Server, bool]:
+        key = backend.spec.key
         cur = self.current
         if cur is not None and cur.key == key and cur.process.exited() is None:
             return cur, True
@@ -145,7 +81,7 @@ class ServerPool:
         port = b.port or free_port(b.host)
         argv = backend.launch_argv(port)
         proc = ServerProcess(argv, backend.launch_env(port), log_path, f"{b.name} server", b.stop_grace_s,
-                             unset=getattr(backend, "launch_env_unset", list)())
+                             unset=backend.launch_env_unset())
         proc.start()
         base = f"http://{_url_host(cfg.backend.host)}:{port}"
         try:
@@ -194,7 +130,8 @@ class Job:
         self.save()
 
 
-def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) -> dict[str, Any]:
+def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, Any]:
+    """A job's result before anything is measured (backend None: a job that was not run)."""
     plain = to_plain(cfg)
     plain.pop("output_dir", None)  # neither differs between runs of the same spec
     plain.pop("resume", None)
@@ -202,7 +139,7 @@ def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) 
     gi = gpu_info(cfg.gpu.index)
     s = cfg.scenario
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "kind": "kvexp.job",
         "kvexp_version": environment()["kvexp_version"],
         "label": job_label(cfg),
@@ -210,14 +147,16 @@ def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) 
         "status_reason": "unfinished: the job was running when this was written",
         "started_at": utc_now(),
         "finished_at": None,
-        "backend": {"name": backend_name, "version": None, "launch_command": None, "endpoint": None,
+        "backend": {"name": cfg.backend.name, "version": None, "launch_command": None, "endpoint": None,
                     "reused_server": False, "ready_s": None, "server_log": None},
-        "model": {"name": cfg.model.name, "path": None},
-        "kv": {"requested": cfg.kv.name, "backend_dtype": cfg.kv.per_backend.get(backend_name, "?"),
-               "bytes_per_element": cfg.kv.bytes_per_element},
+        "model": {"name": cfg.model.name, "path": backend.model_path if backend else None},
+        "kv": {"requested": cfg.kv.name, "backend_dtype": cfg.kv.per_backend.get(cfg.backend.name, "?"),
+               "bytes_per_element": backend.spec.kv_bytes_per_element if backend else None},
+        "server": backend.spec.to_json() if backend else None,
         "kv_cache": {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None},
         "scenario": {"name": s.name, "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens,
-                     "mode": "open" if s.rates else "closed", "variable_length": variable_length,
+                     "mode": "open" if s.rates else "closed",
+                     "variable_length": bool(backend) and not backend.capabilities.forces_output_length,
                      "api": s.api},
         "gpu": {"name": cfg.gpu.name or gi.name, "memory_gib": cfg.gpu.memory_gib or gi.memory_gib,
                 "driver": gi.driver},
@@ -240,19 +179,18 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     Whatever ends the job (a dead server, an error, an interrupt), the result says why, with the server
     log's tail, and a server is kept for the next job only after a complete one."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    backend = make_backend(cfg)
-    unsupported = getattr(backend, "unsupported_reason", lambda: None)()  # e.g. fp8 KV on this CPU
+    backend = backends.create(cfg)
+    unsupported = backend.unsupported_reason()  # e.g. fp8 KV on this CPU
     if unsupported and cfg.unsupported == "skip":
         return skipped_result(cfg, out_dir, unsupported)
     if unsupported:
         raise ConfigError(unsupported)
-    job = Job(cfg, out_dir, new_result(cfg, backend.name, not backend.forces_output_length))
+    job = Job(cfg, out_dir, new_result(cfg, backend))
     if cfg.resume and _resume(job):
         return job.result
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     res = job.result
-    res["model"]["path"] = getattr(backend, "model_path", None)
     log_path = out_dir / "server.log"
     server: Optional[_Server] = None
     t0 = time.monotonic()
@@ -331,27 +269,25 @@ def _check_alive(server: Optional[_Server]) -> None:
         raise BackendError(gone)
 
 
-async def _measure(job: Job, backend: Backend, server: Optional[_Server], observer: Optional[Observer]) -> None:
+async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observer: Optional[Observer]) -> None:
     cfg, res = job.cfg, job.result
     s = cfg.scenario
     max_conn = highest_concurrency(s) + 4
     headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
         res["backend"]["version"] = await backend.version(session)
-        preload = getattr(backend, "preload", None)
-        if preload is not None:  # Ollama loads the model lazily; its KV lines appear only after a load
-            t = time.monotonic()
-            await preload(session)
+        t = time.monotonic()
+        if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
             res["timing"]["model_load_s"] = round(time.monotonic() - t, 3)
-        loaded_models = getattr(backend, "loaded_models", None)
-        if loaded_models is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
-            res["backend"]["loaded_models"] = await loaded_models(session)
+        loaded = await backend.loaded_models(session)
+        if loaded is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
+            res["backend"]["loaded_models"] = loaded
         log_text = server.process.log_path.read_text(errors="replace") if server else ""
         kv = await backend.kv_cache(session, log_text)
-        _record_kv(res, kv, backend)
+        _record_kv(res, kv)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(cfg, res, getattr(backend, "model_path", None))
+        res["planner"] = _planner_block(backend, res)
         lg = LoadGenerator(session, backend, observer)
         maker = await PromptMaker.create(backend, session, s.prompt_tokens, s.api, s.seed)
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
@@ -380,17 +316,17 @@ async def _measure(job: Job, backend: Backend, server: Optional[_Server], observ
 class PromptMaker:
     """Unique prompts of the exact target length, as the server's tokenizer counts them."""
 
-    def __init__(self, backend: Backend, session: aiohttp.ClientSession, pool: Optional[list[int]],
+    def __init__(self, backend: Adapter, session: aiohttp.ClientSession, pool: Optional[list[int]],
                  target: int, api: str, seed: int):
         self.backend, self.session = backend, session
         self.pool, self.target, self.api, self.seed = pool, target, api, seed
         self.counter = 0
 
     @classmethod
-    async def create(cls, backend: Backend, session: aiohttp.ClientSession, target: int, api: str,
+    async def create(cls, backend: Adapter, session: aiohttp.ClientSession, target: int, api: str,
                      seed: int) -> "PromptMaker":
         pool = None
-        if api == "completions" and getattr(backend, "exact_prompts", True):
+        if api == "completions" and backend.capabilities.exact_prompts:
             pool = await prompts.token_pool(backend, session, seed)
         return cls(backend, session, pool, target, api, seed)
 
@@ -399,7 +335,7 @@ class PromptMaker:
         seed = self.seed * 1_000_003 + self.counter
         if self.pool is not None:
             return prompts.token_prompts(self.pool, 1, self.target, seed)[0]
-        if getattr(self.backend, "exact_prompts", True):
+        if self.backend.capabilities.exact_prompts:
             count = self.backend.chat_prompt_tokens
             text = await prompts.exact_text(count, self.target, random.Random(seed), self.session)
             if text is None:
@@ -420,7 +356,7 @@ class PromptMaker:
 class TelemetryPoller:
     """Polls the server's own metrics during a level: peak KV usage, peak running/waiting."""
 
-    def __init__(self, backend: Backend, session: aiohttp.ClientSession):
+    def __init__(self, backend: Adapter, session: aiohttp.ClientSession):
         self.backend, self.session = backend, session
         self.kv_usage: list[float] = []
         self.running: list[int] = []
@@ -459,7 +395,7 @@ class TelemetryPoller:
                 pass
 
 
-async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession, lg: LoadGenerator,
+async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
                      maker: PromptMaker, sampler: MemorySampler, kind: str, value: float, repeat: int,
                      observer: Optional[Observer]) -> dict[str, Any]:
     from kvexp.loadgen import ClientOptions, client_environment
@@ -492,78 +428,49 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
     write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
 
     summary = stats.summarize_level(records)
-    level: dict[str, Any] = {
-        "concurrency": int(value) if kind == "concurrency" else None,
-        "rate": value if kind == "rate" else None,
-        "repeat": repeat,
-        "status": "ok",
+    level = Level(
+        concurrency=int(value) if kind == "concurrency" else None,
+        rate=value if kind == "rate" else None,
+        repeat=repeat,
+        status="ok",
         **summary,
-        "peak_vram_gib": _gib(mem.device_used_bytes),
-        "peak_server_gpu_gib": _gib(mem.server_gpu_bytes),
-        "peak_rss_gib": _gib(mem.server_rss_bytes),
-        "peak_kv_cache_usage": round(max(poller.kv_usage), 4) if poller.kv_usage else None,
-        "kv_usage_samples": len(poller.kv_usage),
-        "preemptions": _delta(before, after),
-        "max_running": max(poller.running) if poller.running else None,
-        "max_waiting": max(poller.waiting) if poller.waiting else None,
-        "loop_lag_p99_ms": run.loop_lag_p99_ms,
-        "client_workers": run.workers,
-        "client_cpu_util": max(run.cpu_util, default=None),
-        "goodput_req_s": stats.goodput(records, s.slo_ttft_ms, s.slo_tpot_ms, summary["wall_s"]),
-    }
+        peak_vram_gib=_gib(mem.device_used_bytes),
+        peak_server_gpu_gib=_gib(mem.server_gpu_bytes),
+        peak_rss_gib=_gib(mem.server_rss_bytes),
+        peak_kv_cache_usage=round(max(poller.kv_usage), 4) if poller.kv_usage else None,
+        kv_usage_samples=len(poller.kv_usage),
+        preemptions=_delta(before, after),
+        max_running=max(poller.running) if poller.running else None,
+        max_waiting=max(poller.waiting) if poller.waiting else None,
+        loop_lag_p99_ms=run.loop_lag_p99_ms,
+        client_workers=run.workers,
+        client_cpu_util=max(run.cpu_util, default=None),
+        goodput_req_s=stats.goodput(records, s.slo_ttft_ms, s.slo_tpot_ms, summary["wall_s"]),
+    )
     if kind == "rate":
-        level["achieved_rate"] = stats.start_rate(records)
-        level["scheduled_rate"] = stats.start_rate(records, scheduled=True)
-    limits = stats.client_limits(run.loop_lag_p99_ms, summary["itl_p50_ms"], run.cpu_util)
-    level["client_limited"] = bool(limits)
-    if level["requests"] and level["errors"] / level["requests"] > s.max_error_rate:
-        level["status"] = "failed"
-        kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["errors_by_kind"].items()))
+        level.achieved_rate = stats.start_rate(records)
+        level.scheduled_rate = stats.start_rate(records, scheduled=True)
+    limits = stats.client_limits(run.loop_lag_p99_ms, level.itl_p50_ms, run.cpu_util)
+    level.client_limited = bool(limits)
+    if level.requests and level.errors / level.requests > s.max_error_rate:
+        level.status = "failed"
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(level.errors_by_kind.items()))
         first = next((r.error for r in records if r.error), "")
-        level["status_reason"] = (f"{level['errors']}/{level['requests']} requests failed ({kinds}); "
-                                  f"first: {first}")[:500]
+        level.status_reason = f"{level.errors}/{level.requests} requests failed ({kinds}); first: {first}"[:500]
     if repeat == s.repeats - 1 and s.repeats > 1:  # the last repeat sums up the level's repeats (the ok ones)
         ok = [lv for lv in job.result["levels"]
-              if lv.get(kind) == level[kind] and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
-        level["repeats"] = stats.repeats_of([*ok, level] if level["status"] == "ok" else ok)
-    level["warnings"] = _warnings(level, records, s, backend.forces_output_length, limits)
+              if lv.get(kind) == value and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
+        level.repeats = stats.repeats_of([*ok, level.to_json()] if level.status == "ok" else ok)
+    done = [r for r in records if r.ok]
+    level.warnings = level_warnings(level, [r.prompt_tokens for r in done], [r.output_tokens for r in done],
+                                    s.prompt_tokens, s.max_tokens, backend.capabilities.forces_output_length,
+                                    limits)
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
+    out = level.to_json()
     if observer:
-        observer.level_done(value, level)
-    return level
-
-
-def _warnings(level: dict[str, Any], records: list[RequestRecord], s: Any, forced: bool,
-              client_limits: Optional[list[str]] = None) -> list[str]:
-    w = []
-    ok = [r for r in records if r.ok]
-    if level["errors"]:
-        w.append(f"{level['errors']} of {level['requests']} requests failed")
-    if level["requests"] < 20:
-        w.append(f"only {level['requests']} requests: percentiles are rough")
-    bad_prompt = [r for r in ok if r.prompt_tokens is not None and r.prompt_tokens != r.target_prompt_tokens]
-    if bad_prompt and forced:
-        w.append(f"{len(bad_prompt)} requests had a prompt length other than {s.prompt_tokens} tokens")
-    bad_out = [r for r in ok if r.output_tokens != s.max_tokens]
-    if bad_out and forced:
-        w.append(f"{len(bad_out)} requests produced other than {s.max_tokens} output tokens")
-    p50, p95 = level.get("ttft_p50_ms"), level.get("ttft_p95_ms")
-    if p50 and p95 and p95 > 3 * p50:
-        w.append(f"wide TTFT spread: p95 {p95:.1f} ms is over 3x p50 {p50:.1f} ms")
-    if level["peak_kv_cache_usage"] is not None and level["kv_usage_samples"] < 5:
-        w.append(f"KV usage was sampled only {level['kv_usage_samples']} times in this level: its peak is a lower bound")
-    if client_limits:
-        w.append("; ".join(client_limits) + ": the client may have limited this level (set client.workers)")
-    planned, achieved = level.get("scheduled_rate"), level.get("achieved_rate")
-    if planned and achieved is not None and achieved < 0.9 * planned:
-        w.append(f"requests started at {achieved:g}/s where the schedule asked {planned:g}/s: "
-                 "max_concurrency, max_start_rate or a lagging load generator held them back")
-    unstable = stats.unstable(level.get("repeats") or {})
-    if unstable:
-        figs = ", ".join(f"{k} (CV {level['repeats'][k]['cv'] * 100:.0f} %)" for k in unstable)
-        w.append(f"unstable across {level['repeats'][unstable[0]]['n']} repeats: {figs}")
-    return w
+        observer.level_done(value, out)
+    return out
 
 
 def _delta(before: Any, after: Any) -> Optional[float]:
@@ -576,7 +483,7 @@ def _gib(b: Optional[int]) -> Optional[float]:
     return None if b is None else round(b / GIB, 3)
 
 
-def _record_kv(res: dict[str, Any], kv: KVCacheInfo, backend: Backend) -> None:
+def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
     res["kv_cache"] = {
         "dtype": kv.dtype, "blocks": kv.blocks, "block_size": kv.block_size,
         "gpu_memory_utilization": kv.gpu_memory_utilization, "dtype_k": kv.dtype_k, "dtype_v": kv.dtype_v,
@@ -585,7 +492,7 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo, backend: Backend) -> None:
     }
 
 
-def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Backend) -> None:
+def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Adapter) -> None:
     """A server that reports a different KV type than the one asked for fails the job loudly."""
     asked = cfg.kv.per_backend.get(backend.name)
     if kv.dtype is None:
@@ -597,13 +504,14 @@ def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Backend) -> None:
                            f"{asked!r} on {backend.name}")
 
 
-def _planner_block(cfg: ExperimentConfig, res: dict[str, Any], model_path: Optional[str]) -> Optional[dict[str, Any]]:
-    """The planner's prediction for this job, beside what will be measured (None if it cannot plan)."""
-    from kvexp import calibration, planner
+def _planner_block(backend: Adapter, res: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The planner's prediction for the server that was launched, beside what will be measured
+    (None if it cannot plan)."""
+    from kvexp import calibration, prediction
 
     try:
-        return planner.plan_for_job(cfg, model_path=model_path, gpu_name=res["gpu"]["name"],
-                                    gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load())
+        return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
+                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load())
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res["label"], e)
         return None
@@ -622,7 +530,7 @@ def _learn(res: dict[str, Any]) -> None:
 def skipped_result(cfg: ExperimentConfig, out_dir: Path, reason: str) -> dict[str, Any]:
     """A job that was not run (an unsupported backend/KV pair with unsupported=skip), recorded as such."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    job = Job(cfg, out_dir, new_result(cfg, cfg.backend.name, False))
+    job = Job(cfg, out_dir, new_result(cfg, None))
     job.result.update(status="skipped", status_reason=reason, finished_at=utc_now())
     job.save()
     return job.result

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 
 import jinja2
 
+from kvexp.config import ConfigError, ExperimentConfig
 from kvexp.paths import data_dir
 from kvexp.results import RESULT_FILE, ResultError, collect, load_document, write_json
 from kvexp.stats import UNSTABLE_CV
@@ -188,3 +189,76 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list
         return written
     written += list(render_report(agg, sweep_dir / "report").values())
     return written
+
+
+# ---------------------------------------------------------------- the planner's table (`kvexp plan`)
+def _fmt_int(x: Any) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def _fmt_levels(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        u = r["predicted_kv_usage"]
+        tag = "" if u is None else f" {u:.0%}" if u >= 0.1 or u == 0 else f" {u:.1%}"
+        if r["predicts_preemption"]:
+            tag += " preempts"
+        elif r["predicts_queueing"]:
+            tag += " queues"
+        out.append(f"{r['concurrency']}: {tag.strip() or '?'}")
+    return ", ".join(out) or "-"
+
+
+def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
+    """A Markdown table of the plan for each config: bytes/token, capacity, blocks, the largest
+    concurrency before preemption and the predicted KV usage per level, uncalibrated and calibrated.
+
+    Each config's server is resolved by its adapter without launching anything (a program that is
+    not installed is no obstacle to planning); each model's architecture is read once."""
+    from kvexp import backends, prediction
+
+    archs: dict[tuple[str, str], Any] = {}
+    lines = [
+        "| model | backend | kv | scenario | bytes/token | capacity tokens | blocks | peak GiB | max conc. | "
+        "levels (KV usage) | cal. overhead GiB | cal. capacity | cal. max conc. | cal. levels |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    notes: list[str] = []
+    for cfg in cfgs:
+        kv_dtype = cfg.kv.per_backend.get(cfg.backend.name)
+        head = f"| {cfg.model.name} | {cfg.backend.name} | {kv_dtype or cfg.kv.name} | {cfg.scenario.name} "
+        if kv_dtype is None:
+            lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 9)
+            continue
+        try:
+            spec = backends.create(cfg, locate=False).spec
+            key = (cfg.model.name, cfg.backend.name)
+            if key not in archs:
+                archs[key] = prediction.model_arch(cfg, spec)
+            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+        except (ConfigError, ValueError) as e:
+            lines.append(head + f"| {e} |" + " |" * 9)
+            continue
+        conc_key = "max_concurrency_before_preemption" if spec.cache.paged else "max_concurrent_requests"
+        max_conc = p[conc_key]
+        c = p["calibrated"]
+        c_conc = None if c is None else c[conc_key]
+        peak = p["predicted_peak_memory_gib"]
+        peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
+        lines.append(
+            head + f"| {_fmt_int(p['kv_bytes_per_token'])} | {_fmt_int(p['capacity_tokens'])} "
+            f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
+            f"| {'-' if c is None else c['overhead_gib']} "
+            f"| {'-' if c is None else _fmt_int(c['capacity_tokens'])} | {_fmt_int(c_conc)} "
+            f"| {'-' if c is None else _fmt_levels(c['levels'])} |")
+        srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
+        inp = p["inputs"]
+        weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
+        note = (f"- {cfg.model.name}/{cfg.backend.name}: GPU {cfg.gpu.name or '?'} "
+                f"{'?' if inp['gpu_gib'] is None else inp['gpu_gib']} GiB, weights {weights} GiB, "
+                f"overhead {inp['overhead_gib']} GiB; sources: {srcs}")
+        if note not in notes:
+            notes.append(note)
+    legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "
+              "(more queue). Levels: concurrency: predicted KV usage.")
+    return "\n".join(lines + ["", legend, ""] + notes) + "\n"

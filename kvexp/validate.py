@@ -12,7 +12,7 @@ from jsonschema import Draft202012Validator
 from kvexp.paths import data_dir
 
 KINDS = ("result", "aggregate", "request")
-SCHEMA_VERSION = 1  # the newest result format this kvexp reads and writes
+SCHEMA_VERSION = 2  # the newest result format this kvexp reads and writes (2: typed warnings, server spec)
 
 
 class ValidationFailed(ValueError):

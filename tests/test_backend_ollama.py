@@ -20,7 +20,8 @@ from kvexp import stats
 from kvexp.backends.base import BackendError
 from kvexp.backends.ollama import Ollama, parse_ndjson_line, parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, OllamaConfig, ScenarioConfig
+from kvexp.backends.ollama import OllamaConfig
+from kvexp.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
 from kvexp.prompts import estimated_text
 
@@ -39,7 +40,7 @@ def make_cfg(kv: str = "q8_0", *, parallel: int | None = None, context: int | No
         backend=OllamaConfig(parallel=parallel, context=context, flash_attention=flash_attention,
                              env=dict(env or {}), binary=binary),
         model=ModelConfig(name="tiny", ollama=tag),
-        kv=KVConfig(name=kv, bytes_per_element=KVS.get(kv, 2.0), per_backend={"ollama": kv}),
+        kv=KVConfig(name=kv, per_backend={"ollama": kv}),
         scenario=ScenarioConfig(name="t", prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                 concurrency=list(concurrency), requests=requests, api=api,
                                 stall_timeout_s=5.0, request_timeout_s=20.0),
@@ -126,7 +127,7 @@ def test_launch_env_per_kv_type(kv):
     assert env == {"OLLAMA_HOST": "127.0.0.1:18080", "OLLAMA_KV_CACHE_TYPE": kv, "OLLAMA_FLASH_ATTENTION": "1",
                    "OLLAMA_NUM_PARALLEL": "4", "OLLAMA_CONTEXT_LENGTH": str(2 * 32 + 8 + 64),
                    "OLLAMA_MODELS": "/models"}
-    assert b.name == "ollama" and b.forces_output_length is False and b.exact_prompts is False
+    assert b.name == "ollama" and b.capabilities.forces_output_length is False and b.capabilities.exact_prompts is False
 
 
 def test_launch_defaults_and_overrides():
@@ -296,7 +297,7 @@ def test_launch_env_reaches_the_server(tmp_path, kv):
     async def run() -> tuple[Any, ...]:
         async with make_session(b.base_url, 8, 20, 5) as session:
             version = await b.version(session)
-            load_s = await b.preload(session)  # None: Ollama's load reply has no durations
+            load_s = await b.preload(session)  # True: it loaded (the reply has no durations to time it by)
             kv_info = await b.kv_cache(session, (tmp_path / "server.log").read_text())
             records = await drive(b, session, 4, 4, seed=3, api="chat")
             async with session.get("/_fake/state") as r:
@@ -305,7 +306,7 @@ def test_launch_env_reaches_the_server(tmp_path, kv):
 
     with Launched(b, tmp_path):
         version, load_s, kv_info, records, state, models = asyncio.run(run())
-    assert version == fake_ollama.VERSION and load_s is None
+    assert version == fake_ollama.VERSION and load_s is True
     assert state["env"]["OLLAMA_KV_CACHE_TYPE"] == kv and state["env"]["OLLAMA_FLASH_ATTENTION"] == "1"
     assert state["effective"] == {"kv_cache_type": kv, "flash_attention": "on", "num_parallel": 4,
                                   "context_length": b.context}

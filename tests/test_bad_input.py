@@ -59,8 +59,8 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
      "{F}: not JSON (not UTF-8 text)"),
     ("validate: an array", lambda d, g: ["validate", put(d / "r.json", [1, 2])],
      "{F}: $: [1, 2] is not of type 'object'"),
-    ("validate: a future schema version", lambda d, g: ["validate", put(d / "r.json", {**g, "schema_version": 2})],
-     "{F}: $.schema_version: 2 is newer than this kvexp understands (1); upgrade kvexp"),
+    ("validate: a future schema version", lambda d, g: ["validate", put(d / "r.json", {**g, "schema_version": 3})],
+     "{F}: $.schema_version: 3 is newer than this kvexp understands (2); upgrade kvexp"),
     ("validate: a missing field", lambda d, g: ["validate", put(d / "r.json", changed(g, lambda x: x.pop("label")))],
      "{F}: $: 'label' is a required property"),
     ("validate: a wrong type", lambda d, g: ["validate", put(d / "r.json", changed(
@@ -87,7 +87,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("report: a result that is not UTF-8", lambda d, g: ["report", put(d / "result.json", b"\x80")],
      "kvexp: {F}: not JSON (not UTF-8 text)"),
     ("report: a result of a future schema", lambda d, g: ["report", put(d / "result.json", {**g, "schema_version": 3})],
-     "kvexp: {F}: $.schema_version: 3 is newer than this kvexp understands (1); upgrade kvexp"),
+     "kvexp: {F}: $.schema_version: 3 is newer than this kvexp understands (2); upgrade kvexp"),
     ("report: a result missing a field", lambda d, g: ["report", put(d / "result.json", changed(
         g, lambda x: x["backend"].pop("name")))],
      "kvexp: {F}: $.backend: 'name' is a required property"),

@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvexp import calibration as calib
+from kvexp import backends
 from kvexp.planner import GIB_BYTES, ModelArch, plan_job
+
+VLLM = backends.REGISTRY["vllm"].cache_model
+LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "planner"
 REF = json.loads((FIXTURES / "rtx5070ti-qwen2.5-7b.json").read_text())
@@ -63,7 +67,7 @@ def test_fit_then_repredict_lands_on_the_measurement():
 
     for kv, actual in (("auto", 158048), ("fp8", 272304)):
         cal = calib.lookup_overhead_gib(table, "vllm", GPU, kv)
-        plan = plan_job(QWEN7, kv, "vllm", 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48],
+        plan = plan_job(QWEN7, kv, VLLM, 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48],
                         calibrated_overhead_gib=cal)
         assert plan["calibrated"]["capacity_tokens"] == actual
         assert abs(plan["calibrated"]["capacity_tokens"] - actual) / actual <= 0.02
@@ -98,7 +102,7 @@ def test_llamacpp_overhead_from_peak_memory():
 
 
 def test_kvexp_job_result_with_its_planner_block():
-    plan = plan_job(QWEN7, "auto", "vllm", 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
+    plan = plan_job(QWEN7, "auto", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
     result = {
         "label": "vllm-qwen2.5-7b-fp16-chat", "started_at": "2026-12-01T10:00:00Z",
         "backend": {"name": "vllm"}, "model": {"name": "qwen2.5-7b", "path": "Qwen/Qwen2.5-7B-Instruct-AWQ"},

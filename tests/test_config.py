@@ -8,7 +8,12 @@ import sys
 import pytest
 
 from kvexp.cli import _options, check, compose, compose_all, kv_choices
-from kvexp.config import BACKENDS, ConfigError, LlamaCppConfig, OllamaConfig, VLLMConfig
+from kvexp.backends import REGISTRY as BACKENDS
+from kvexp.backends.llamacpp import LlamaCppConfig
+from kvexp.backends.ollama import OllamaConfig
+from kvexp.backends.vllm import VLLMConfig
+from kvexp.config import ConfigError
+from kvexp.planner import kv_bytes_per_element
 
 GROUP_DEFAULTS = {"backend": "llamacpp", "kv": "fp16"}
 
@@ -55,8 +60,8 @@ def test_kv_names_map_per_backend():
     kvs = kv_choices()
     assert kvs["fp16"].per_backend == {"llamacpp": "f16", "vllm": "auto", "ollama": "f16"}
     assert kvs["fp8"].per_backend == {"vllm": "fp8"}
-    assert kvs["q8_0"].bytes_per_element == pytest.approx(34 / 32)
-    assert kvs["q4_0"].bytes_per_element == pytest.approx(18 / 32)
+    assert kv_bytes_per_element(kvs["q8_0"].per_backend["llamacpp"]) == pytest.approx(34 / 32)
+    assert kv_bytes_per_element(kvs["q4_0"].per_backend["llamacpp"]) == pytest.approx(18 / 32)
 
 
 def test_unsupported_pair_can_be_skipped_instead():

@@ -11,7 +11,11 @@ import pytest
 
 from kvexp import modelinfo
 from kvexp.config import ModelConfig
+from kvexp import backends
 from kvexp.planner import GIB_BYTES, plan_job
+
+VLLM = backends.REGISTRY["vllm"].cache_model
+LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 
 QWEN25_7B_AWQ_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
@@ -44,7 +48,7 @@ def test_hf_config_dir_with_weights_on_disk(tmp_path):
     assert arch.sources["weights_gib"] == "files on disk"
     assert arch.sources["weight_bits"] == "config.json quantization_config"
 
-    plan = plan_job(arch, "auto", "vllm", 16.0, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
+    plan = plan_job(arch, "auto", VLLM, 16.0, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
     # By hand: 2 x 28 x 4 x 128 x 2 = 57344 bytes/token;
     # free = 16 x 0.9 - 3.5 - 1.5 = 9.4 GiB = 10093173145.6 bytes -> 176010.97 tokens -> 176010;
     # whole blocks of 16: 11000 blocks = 176000 tokens; 11000 // 272 = 40 requests of 4352 tokens.
@@ -124,7 +128,7 @@ def test_gguf_header_and_hand_computed_plan(tmp_path):
     assert arch.sources["weights_gib"] == "files on disk"
     assert arch.sources["file_type"] == "MOSTLY_F16"
 
-    plan = plan_job(arch, "q8_0", "llamacpp", None, prompt_tokens=300, max_tokens=100, levels=[1, 2, 4],
+    plan = plan_job(arch, "q8_0", LLAMACPP, None, prompt_tokens=300, max_tokens=100, levels=[1, 2, 4],
                     context=1024, parallel=2)
     # By hand: 2 (K,V) x 2 layers x 2 KV heads x 16 x 34/32 bytes = 136 bytes per token;
     # -c 1024 -> 1024 x 136 = 139264 bytes; 2 slots of 512 cells; a 400-token request fits a slot.
@@ -135,7 +139,7 @@ def test_gguf_header_and_hand_computed_plan(tmp_path):
     assert [lv["predicted_kv_usage"] for lv in plan["levels"]] == [round(400 / 1024, 4), round(800 / 1024, 4),
                                                                    round(800 / 1024, 4)]
     # without a context: llama-server -c 0 takes the model's 2048
-    assert plan_job(arch, "f16", "llamacpp", None, prompt_tokens=1, max_tokens=1, levels=[])["capacity_tokens"] == 2048
+    assert plan_job(arch, "f16", LLAMACPP, None, prompt_tokens=1, max_tokens=1, levels=[])["capacity_tokens"] == 2048
 
 
 def test_gguf_key_and_value_lengths(tmp_path):
@@ -173,7 +177,7 @@ def test_weights_estimate_and_builtin_table():
     assert bare.weights_gib == pytest.approx(8.19e9 * 2 / GIB_BYTES)  # 16-bit assumed
     nothing = modelinfo.arch_from(ModelConfig(name="unknown"), None)
     assert nothing.n_layers is None and nothing.weights_gib is None
-    plan = plan_job(nothing, "fp16", "vllm", 15.92, prompt_tokens=1, max_tokens=1, levels=[1])
+    plan = plan_job(nothing, "fp16", VLLM, 15.92, prompt_tokens=1, max_tokens=1, levels=[1])
     assert plan["kv_bytes_per_token"] is None and plan["capacity_tokens"] is None
 
 
@@ -187,12 +191,12 @@ def test_model_files_per_backend(tmp_path, monkeypatch):
     gguf_path = tmp_path / "m.gguf"
     _write_gguf(gguf_path)
     model = ModelConfig(name="m", hf="Org/M", gguf=str(gguf_path), ollama="m:latest")
-    assert modelinfo.model_files(model, "vllm") == snap
-    assert modelinfo.model_files(model, "llamacpp") == gguf_path
+    assert modelinfo.model_files(model, "hf") == snap
+    assert modelinfo.model_files(model, "gguf") == gguf_path
     assert modelinfo.model_files(model, "ollama") is None
-    assert modelinfo.arch_for_backend(model, "vllm").n_layers == 28
-    assert modelinfo.arch_for_backend(model, "llamacpp").n_layers == 2
-    assert modelinfo.model_files(ModelConfig(name="m", hf="Org/Absent"), "vllm") is None
+    assert modelinfo.arch_for(model, "hf").n_layers == 28
+    assert modelinfo.arch_for(model, "gguf").n_layers == 2
+    assert modelinfo.model_files(ModelConfig(name="m", hf="Org/Absent"), "hf") is None
 
 
 def test_split_gguf_weights_count_every_shard(tmp_path):

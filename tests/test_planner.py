@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvexp import planner
-from kvexp.config import (ExperimentConfig, GPUConfig, KVConfig, LlamaCppConfig, ModelConfig,
-                          OllamaConfig, ScenarioConfig, VLLMConfig)
+from kvexp import backends, prediction, summary
+from kvexp.backends.llamacpp import LlamaCppConfig
+from kvexp.backends.ollama import OllamaConfig, default_context_tokens
+from kvexp.backends.vllm import VLLMConfig
+from kvexp.config import ExperimentConfig, GPUConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.planner import ModelArch, plan_job
+
+VLLM = backends.REGISTRY["vllm"].cache_model
+LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
+OLLAMA = backends.REGISTRY["ollama"].cache_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "planner"
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +62,8 @@ def test_bytes_per_token_qwen25_7b():
 
 def test_the_two_reference_predictions_exactly():
     # (15.92 x 0.9 - 5.188 - 1.5) GiB = 7.64 GiB -> 143054 tokens -> 8940 blocks of 16
-    fp16 = plan_job(QWEN7, "auto", "vllm", 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
-    fp8 = plan_job(QWEN7, "fp8", "vllm", 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
+    fp16 = plan_job(QWEN7, "auto", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
+    fp8 = plan_job(QWEN7, "fp8", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
     assert (fp16["capacity_tokens"], fp16["blocks"]) == (143040, 8940)
     assert (fp8["capacity_tokens"], fp8["blocks"]) == (286096, 17881)
     rows = {r["kv_cache_dtype"]: r["predicted_tokens"] for r in REF["calibration"]}
@@ -71,7 +78,7 @@ def _vllm_runs():
 def test_preemption_facts_follow_from_the_planners_own_capacity(run):
     dtype = run["kv_cache"]["dtype"]
     levels = [lv["concurrency"] for lv in run["levels"]]
-    plan = plan_job(QWEN7, dtype, "vllm", run["gpu_gib"], prompt_tokens=run["prompt_tokens"],
+    plan = plan_job(QWEN7, dtype, VLLM, run["gpu_gib"], prompt_tokens=run["prompt_tokens"],
                     max_tokens=run["max_tokens"], levels=levels)
     for predicted, measured in zip(plan["levels"], run["levels"]):
         assert predicted["predicts_preemption"] == (measured["preemptions"] > 0), measured
@@ -84,8 +91,8 @@ def test_preemption_facts_follow_from_the_planners_own_capacity(run):
 
 def test_preemption_thresholds_long_scenario():
     # 4096 + 256 = 4352 tokens = 272 blocks per request
-    fp16 = plan_job(QWEN7, "auto", "vllm", 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
-    fp8 = plan_job(QWEN7, "fp8", "vllm", 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
+    fp16 = plan_job(QWEN7, "auto", VLLM, 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
+    fp8 = plan_job(QWEN7, "fp8", VLLM, 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48])
     assert fp16["max_concurrency_before_preemption"] == 8940 // 272 == 32
     assert fp8["max_concurrency_before_preemption"] == 17881 // 272 == 65
     assert [lv["predicts_preemption"] for lv in fp16["levels"]] == [False, True]
@@ -107,18 +114,18 @@ def test_block_granularity_rounds_a_request_up_to_whole_blocks():
 
 
 def test_calibrated_block_uses_the_fitted_overhead():
-    plan = plan_job(QWEN7, "auto", "vllm", 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48],
+    plan = plan_job(QWEN7, "auto", VLLM, 15.92, prompt_tokens=4096, max_tokens=256, levels=[32, 48],
                     calibrated_overhead_gib=0.7)
     cal = plan["calibrated"]
     # (14.328 - 5.188 - 0.7) GiB / 57344 = 158061.7 -> 158048 - 16 (0.7 is a bit above the fit)
     assert cal["capacity_tokens"] == 158032 and cal["blocks"] == 9877
     assert cal["max_concurrency_before_preemption"] == 36
     assert [lv["predicts_preemption"] for lv in cal["levels"]] == [False, True]
-    assert plan_job(QWEN7, "auto", "vllm", 15.92, prompt_tokens=1, max_tokens=1, levels=[])["calibrated"] is None
+    assert plan_job(QWEN7, "auto", VLLM, 15.92, prompt_tokens=1, max_tokens=1, levels=[])["calibrated"] is None
 
 
 def test_vllm_unknown_gpu_gives_nulls_and_the_block_is_json_ready():
-    plan = plan_job(QWEN7, "auto", "vllm", None, prompt_tokens=512, max_tokens=256, levels=[1, 4])
+    plan = plan_job(QWEN7, "auto", VLLM, None, prompt_tokens=512, max_tokens=256, levels=[1, 4])
     assert plan["capacity_tokens"] is None and plan["blocks"] is None
     assert plan["max_concurrency_before_preemption"] is None
     assert plan["levels"] == [
@@ -129,7 +136,7 @@ def test_vllm_unknown_gpu_gives_nulls_and_the_block_is_json_ready():
 
 
 def test_planner_block_keys_are_stable():
-    plan = plan_job(QWEN7, "fp8", "vllm", 15.92, prompt_tokens=512, max_tokens=256, levels=[1],
+    plan = plan_job(QWEN7, "fp8", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1],
                     calibrated_overhead_gib=1.0)
     assert list(plan) == [
         "kv_bytes_per_element", "kv_bytes_per_token", "capacity_tokens", "blocks", "block_size",
@@ -150,14 +157,14 @@ def test_vllm_kv_cache_memory_bytes_matches_the_cpu_captures():
     # "CPU KV cache size: 2,048 tokens" (bf16) and 4,096 (fp8); 1 GiB -> 2097152 tokens, 16384 blocks
     tiny = ModelArch(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.002)
     for dtype, tokens in (("auto", 2048), ("fp8", 4096)):
-        plan = plan_job(tiny, dtype, "vllm", None, prompt_tokens=256, max_tokens=256, levels=[4, 16],
+        plan = plan_job(tiny, dtype, VLLM, None, prompt_tokens=256, max_tokens=256, levels=[4, 16],
                         block_size=128, kv_cache_memory_bytes=1 << 20)
         assert plan["capacity_tokens"] == tokens
-    plan = plan_job(tiny, "auto", "vllm", None, prompt_tokens=256, max_tokens=256, levels=[16],
+    plan = plan_job(tiny, "auto", VLLM, None, prompt_tokens=256, max_tokens=256, levels=[16],
                     block_size=128, kv_cache_memory_bytes=1 << 30)
     assert (plan["capacity_tokens"], plan["blocks"]) == (2097152, 16384)
     # bf16 capture: 1 MiB and 16 requests of 512 tokens: 4 fit, the run preempted
-    small = plan_job(tiny, "auto", "vllm", None, prompt_tokens=256, max_tokens=256, levels=[16],
+    small = plan_job(tiny, "auto", VLLM, None, prompt_tokens=256, max_tokens=256, levels=[16],
                      block_size=128, kv_cache_memory_bytes=1 << 20)
     assert small["max_concurrency_before_preemption"] == 4
     assert small["levels"][0]["predicts_preemption"] is True
@@ -173,7 +180,7 @@ def test_llamacpp_kv_bytes_match_the_server_log_for_every_type():
         if not m:
             continue
         dtype, mib, cells, seqs = m.group(1), float(m.group(2)), int(m.group(3)), int(m.group(4))
-        plan = plan_job(tiny, dtype, "llamacpp", None, prompt_tokens=100, max_tokens=100, levels=[4],
+        plan = plan_job(tiny, dtype, LLAMACPP, None, prompt_tokens=100, max_tokens=100, levels=[4],
                         context=cells * seqs, parallel=seqs)
         assert round(plan["kv_cache_bytes"] / 2**20, 2) == mib, dtype
         assert plan["context_per_slot_tokens"] == cells
@@ -183,7 +190,7 @@ def test_llamacpp_kv_bytes_match_the_server_log_for_every_type():
 
 def test_llamacpp_plan_by_hand():
     # q8_0: 2 x 28 x 4 x 128 x 34/32 = 30464 bytes/token; -c 8192 -np 4 -> 2048 cells per slot
-    plan = plan_job(QWEN7, "q8_0", "llamacpp", 15.92, prompt_tokens=1024, max_tokens=256,
+    plan = plan_job(QWEN7, "q8_0", LLAMACPP, 15.92, prompt_tokens=1024, max_tokens=256,
                     levels=[2, 4, 8], context=8192, parallel=4)
     assert plan["capacity_tokens"] == 8192 and plan["blocks"] is None
     assert plan["kv_cache_bytes"] == 8192 * 30464
@@ -199,22 +206,22 @@ def test_llamacpp_plan_by_hand():
     assert [lv["predicts_queueing"] for lv in plan["levels"]] == [False, False, True]
     assert not any(lv["predicts_preemption"] for lv in plan["levels"])
     # a slot too small for one request
-    tight = plan_job(QWEN7, "q8_0", "llamacpp", 15.92, prompt_tokens=4096, max_tokens=256, levels=[1],
+    tight = plan_job(QWEN7, "q8_0", LLAMACPP, 15.92, prompt_tokens=4096, max_tokens=256, levels=[1],
                      context=8192, parallel=4)
     assert tight["request_fits"] is False and tight["max_concurrent_requests"] == 0
 
 
 def test_ollama_allocates_context_times_parallel():
-    plan = plan_job(QWEN7, "q8_0", "ollama", 15.92, prompt_tokens=512, max_tokens=256, levels=[1, 4],
+    plan = plan_job(QWEN7, "q8_0", OLLAMA, 15.92, prompt_tokens=512, max_tokens=256, levels=[1, 4],
                     context=8192, parallel=2)
     assert plan["capacity_tokens"] == 16384 and plan["context_per_slot_tokens"] == 8192
     assert plan["kv_cache_bytes"] == 16384 * 30464
     assert plan["max_context_that_fits"] == 325393 // 2
     assert [lv["predicts_queueing"] for lv in plan["levels"]] == [False, True]
-    default = plan_job(QWEN7, "f16", "ollama", 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
+    default = plan_job(QWEN7, "f16", OLLAMA, 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
     assert default["slots"] == 1 and default["capacity_tokens"] == 4096  # Ollama's defaults under 24 GiB
-    assert planner.ollama_default_context_tokens(140.4) == 262144
-    assert planner.ollama_default_context_tokens(32.0, 40960) == 32768
+    assert default_context_tokens(140.4) == 262144
+    assert default_context_tokens(32.0, 40960) == 32768
 
 
 def test_fitting_overhead_inverts_the_capacity_formula():
@@ -226,7 +233,7 @@ def test_fitting_overhead_inverts_the_capacity_formula():
 
 def test_weights_that_do_not_fit_give_zero_capacity():
     big = ModelArch.from_preset("qwen2.5-32b", 61.0)
-    plan = plan_job(big, "auto", "vllm", 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
+    plan = plan_job(big, "auto", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1])
     assert plan["capacity_tokens"] == 0 and plan["fits"] is False
     assert plan["max_concurrency_before_preemption"] == 0
     assert plan["levels"][0]["predicted_kv_usage"] is None
@@ -243,26 +250,27 @@ def _cfg(backend, kv: KVConfig, scenario: ScenarioConfig, model: ModelConfig, gp
 QWEN7_MODEL = ModelConfig(name="qwen2.5-7b", hf="Qwen/Qwen2.5-7B-Instruct-AWQ", n_layers=28, n_kv_heads=4,
                           head_dim=128, params_b=7.62, weights_gib=5.188)
 LONG = ScenarioConfig(name="long", prompt_tokens=4096, max_tokens=256, concurrency=[8, 16, 32, 48], requests=144)
-FP16 = KVConfig(name="fp16", bytes_per_element=2.0, per_backend={"llamacpp": "f16", "vllm": "auto", "ollama": "f16"})
-FP8 = KVConfig(name="fp8", bytes_per_element=1.0, per_backend={"vllm": "fp8"})
+FP16 = KVConfig(name="fp16", per_backend={"llamacpp": "f16", "vllm": "auto", "ollama": "f16"})
+FP8 = KVConfig(name="fp8", per_backend={"vllm": "fp8"})
 RTX = GPUConfig(name="NVIDIA GeForce RTX 5070 Ti", memory_gib=15.92)
 
 
 def test_llamacpp_cells_match_the_real_server():
     # (-c, -np) -> cells per slot, as llama-server's llama_kv_cache line reported them
     for ctx, np_, cells in ((128, 2, 256), (300, 1, 512), (300, 3, 256), (1000, 4, 256), (4096, 3, 1536)):
-        assert planner.llamacpp_cells_per_slot(ctx, np_) == cells
+        assert planner.cells_per_slot(ctx, np_, 256) == cells
 
 
 def test_plan_for_config_derives_llamacpp_launch_like_the_adapter():
     cfg = _cfg(LlamaCppConfig(), FP16, LONG, QWEN7_MODEL, RTX)
-    assert planner.backend_context_parallel(cfg) == (48 * (4352 + 16), 48)
-    plan = planner.plan_for_config(cfg, QWEN7)
+    spec = backends.create(cfg, locate=False).spec
+    assert (spec.context_tokens, spec.slots) == (48 * (4352 + 16), 48)
+    plan = prediction.predict(cfg, spec, arch=QWEN7)
     assert plan["capacity_tokens"] == 48 * 4608 and plan["slots"] == 48  # 4368 per slot, padded to 256s
     assert plan["sources"]["context_tokens"].startswith("derived")
-    oll = _cfg(OllamaConfig(env={"OLLAMA_CONTEXT_LENGTH": "8192", "OLLAMA_NUM_PARALLEL": "2"}), FP16, LONG,
-               QWEN7_MODEL, RTX)
-    assert planner.backend_context_parallel(oll) == (8192, 2)
+    tagged = ModelConfig(**{**QWEN7_MODEL.__dict__, "ollama": "qwen2.5:7b"})
+    oll = backends.create(_cfg(OllamaConfig(context=8192, parallel=2), FP16, LONG, tagged, RTX), locate=False).spec
+    assert (oll.context_tokens, oll.slots) == (8192, 2)
 
 
 def test_plan_table_for_the_reference_model_and_gpu(tmp_path, monkeypatch):
@@ -271,7 +279,7 @@ def test_plan_table_for_the_reference_model_and_gpu(tmp_path, monkeypatch):
     table = {"schema_version": 1, "kind": "kvexp-calibration", "entries": [
         {"backend": "vllm", "gpu": "NVIDIA GeForce RTX 5070 Ti", "kv_dtype": "fp16",
          "overhead_gib": planner.overhead_for_capacity(158048, 15.92, 5.188, 57344), "samples": []}]}
-    text = planner.plan_table(cfgs, table)
+    text = summary.plan_table(cfgs, table)
     rows = [ln for ln in text.splitlines() if ln.startswith("| qwen2.5-7b")]
     assert len(rows) == 2
     fp16, fp8 = (r.split("|") for r in rows)
@@ -285,8 +293,8 @@ def test_plan_table_for_the_reference_model_and_gpu(tmp_path, monkeypatch):
 
 def test_plan_table_shows_unknown_gpu_without_failing(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    q8 = KVConfig(name="q8_0", bytes_per_element=1.0625, per_backend={"llamacpp": "q8_0"})
-    text = planner.plan_table([_cfg(VLLMConfig(), FP16, LONG, QWEN7_MODEL, GPUConfig()),
+    q8 = KVConfig(name="q8_0", per_backend={"llamacpp": "q8_0"})
+    text = summary.plan_table([_cfg(VLLMConfig(), FP16, LONG, QWEN7_MODEL, GPUConfig()),
                                _cfg(VLLMConfig(), q8, LONG, QWEN7_MODEL, RTX)], None)
     rows = [ln for ln in text.splitlines() if ln.startswith("| qwen2.5-7b")]
     assert "| - |" in rows[0] and "57,344" in rows[0]

@@ -11,7 +11,8 @@ import pytest
 from kvexp import stats
 from kvexp.cli import compose
 from kvexp.results import collect
-from kvexp.runner import ServerPool, _warnings, run_job
+from kvexp.levels import Level, level_warnings
+from kvexp.runner import ServerPool, run_job
 from kvexp.summary import render_job_summary, repeat_cell
 from kvexp.validate import check_file
 
@@ -71,10 +72,11 @@ def test_summaries_show_repeats_and_flag_unstable_figures(repeated):
 
 
 def test_unstable_repeats_are_warned():
-    level = {"errors": 0, "requests": 48, "peak_kv_cache_usage": None, "kv_usage_samples": 0,
-             "repeats": stats.repeats_of([{"throughput_tok_s": 100.0, "ttft_p50_ms": 50.0},
-                                          {"throughput_tok_s": 130.0, "ttft_p50_ms": 51.0},
-                                          {"throughput_tok_s": 80.0, "ttft_p50_ms": 50.5}])}
-    assert stats.unstable(level["repeats"]) == ["throughput_tok_s"]
-    (w,) = _warnings(level, [], None, False)
-    assert w.startswith("unstable across 3 repeats: throughput_tok_s (CV 24 %)")
+    level = Level(concurrency=4, rate=None, repeat=2, status="ok", **{**stats.summarize_level([]), "requests": 48},
+                  repeats=stats.repeats_of([{"throughput_tok_s": 100.0, "ttft_p50_ms": 50.0},
+                                            {"throughput_tok_s": 130.0, "ttft_p50_ms": 51.0},
+                                            {"throughput_tok_s": 80.0, "ttft_p50_ms": 50.5}]))
+    assert stats.unstable(level.repeats) == ["throughput_tok_s"]
+    (w,) = level_warnings(level, [], [], 512, 256, False)
+    assert w.code == "unstable" and w.values["n"] == 3
+    assert w.text.startswith("unstable across 3 repeats: throughput_tok_s (CV 24 %)")

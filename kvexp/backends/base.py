@@ -1,4 +1,5 @@
-"""The small interface every backend adapter implements, and the data it hands back.
+"""The contract every backend adapter implements (`Adapter`), the server it resolves (`ServerSpec`),
+and the data it hands back.
 
 An adapter is mostly pure: the argv and environment to launch its server, the URL paths to probe,
 the JSON body of a streaming request, how to parse one stream line, and how to read the server's own
@@ -6,10 +7,13 @@ telemetry. Timing is not the adapter's business: the load generator owns the clo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Optional
 
 import aiohttp
+
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
+from kvexp.planner import CacheModel, kv_bytes_per_element
 
 
 class BackendError(RuntimeError):
@@ -63,22 +67,204 @@ class Request:
     body: dict[str, Any]
 
 
-class Backend(Protocol):
-    name: str
+PORT = "{port}"  # stands for the port in a ServerSpec's argv and environment until launch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do or expose; the runner, the prompts and the reports read these, never the
+    backend's name."""
+
     forces_output_length: bool  # False: output length can only be capped (Ollama)
-    stream_keepalive: bool  # False: the server closes the connection after each streamed response
+    exact_prompts: bool  # prompts of an exact token length (the server has a tokenizer endpoint)
+    exposes_kv_usage: bool  # the server reports how full its KV cache is
+    exposes_preemptions: bool  # the server counts preemptions
+    logprobs: bool  # the serving API returns token log-probabilities
+    stream_keepalive: bool = True  # False: the server closes the connection after each streamed response
 
-    # Launch (not called when attaching to an endpoint)
-    def launch_argv(self, port: int) -> list[str]: ...
-    def launch_env(self, port: int) -> dict[str, str]: ...
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server as kvexp launches it, resolved once from the job's config by its adapter
+    (`Adapter.resolve`). The runner launches from it and records it; the planner plans from it, so a
+    prediction describes the server that was launched. argv and env hold PORT for the port."""
+
+    backend: str
+    program: Optional[str]
+    model_path: Optional[str]
+    argv: Optional[tuple[str, ...]]  # None: nothing to launch (attached endpoint, or program/model missing)
+    env: tuple[tuple[str, str], ...]
+    env_unset: tuple[str, ...]  # inherited variables dropped before env is applied
     health_path: str
+    kv_dtype: str  # the portable name (kv=)
+    kv_backend_dtype: str  # the backend's own spelling
+    kv_bytes_per_element: float
+    slots: Optional[int]  # sequences run at once (None: the server's own default, not limited)
+    context_tokens: Optional[int]  # the context setting (llama.cpp -c for all slots; vLLM --max-model-len;
+    #                                Ollama OLLAMA_CONTEXT_LENGTH per sequence)
+    context_per_seq_tokens: Optional[int]  # the longest sequence one slot may hold (before cell padding)
+    block_size: Optional[int]  # paged caches
+    kv_budget_bytes: Optional[int]  # a fixed KV budget (vLLM --kv-cache-memory-bytes)
+    gpu_memory_utilization: Optional[float]  # the share of GPU memory when no budget is fixed
+    unified_kv: bool
+    cache: CacheModel
+    capabilities: Capabilities
+    sources: tuple[tuple[str, str], ...] = ()  # where slots, context, block size, budget came from
 
-    # Requests
-    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request: ...
-    def parse_line(self, line: bytes) -> Optional[StreamEvent]: ...
-    async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]: ...
+    def launch_argv(self, port: int) -> list[str]:
+        if self.argv is None:
+            raise BackendError(f"{self.backend}: nothing to launch (no program or no model)")
+        return [a.replace(PORT, str(port)) for a in self.argv]
 
-    # Telemetry
-    async def version(self, session: aiohttp.ClientSession) -> Optional[str]: ...
-    async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo: ...
-    async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample: ...
+    def launch_env(self, port: int) -> dict[str, str]:
+        """The environment to add; a variable that names the port is left out for port 0."""
+        return {k: v.replace(PORT, str(port)) for k, v in self.env if port or PORT not in v}
+
+    @property
+    def key(self) -> tuple:
+        """What makes two launches the same server (the port aside)."""
+        return (self.argv, self.env, self.env_unset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "program": self.program, "model_path": self.model_path,
+            "kv_dtype": self.kv_dtype, "kv_backend_dtype": self.kv_backend_dtype,
+            "kv_bytes_per_element": self.kv_bytes_per_element, "slots": self.slots,
+            "context_tokens": self.context_tokens, "context_per_seq_tokens": self.context_per_seq_tokens,
+            "block_size": self.block_size, "kv_budget_bytes": self.kv_budget_bytes,
+            "gpu_memory_utilization": self.gpu_memory_utilization, "unified_kv": self.unified_kv,
+            "cache": {"paged": self.cache.paged, "context_per_slot": self.cache.context_per_slot,
+                      "cell_pad": self.cache.cell_pad},
+            "capabilities": asdict(self.capabilities),
+            "sources": dict(self.sources),
+        }
+
+
+class Adapter:
+    """The contract every backend implements: everything the runner, planner and reports use is
+    declared here, with a default where a backend may lack it. A subclass sets the class attributes,
+    `locate_program`, `locate_model` and `_spec`, and the request/stream/telemetry methods.
+
+    An adapter is built from a job's config and the program and model it serves (`create` finds them);
+    its spec is resolved once, in the constructor."""
+
+    name: ClassVar[str]
+    display_name: ClassVar[str]  # how reports name it
+    chart_marker: ClassVar[str] = "D"
+    config_class: ClassVar[type[BackendConfig]]
+    model_field: ClassVar[str]  # the ModelConfig field holding what this backend serves (gguf, hf, ...)
+    capabilities: ClassVar[Capabilities]
+    cache_model: ClassVar[CacheModel]
+    health_path: ClassVar[str] = "/health"
+    installable: ClassVar[bool] = False  # `python -m kvexp install <name>` builds or installs its server
+
+    def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], program: Optional[str]):
+        check_kv(self.name, cfg.kv)
+        if not isinstance(cfg.backend, self.config_class):
+            raise ConfigError(f"backend={cfg.backend.name}: the config is not a {self.config_class.__name__}")
+        self.cfg = cfg
+        self.b = cfg.backend
+        self.model_path = model_path
+        self.program = program
+        self.kv_type = cfg.kv.per_backend[self.name]
+        self.served_name = cfg.model.name
+        self.base_url = ""
+        self.spec = self._spec()
+
+    # ---- resolving: what to launch
+    @classmethod
+    def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
+        """The program that launches the server; raises ConfigError saying how to get it."""
+        return None
+
+    @classmethod
+    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+        """What the server serves (a path, or a tag); raises ConfigError when it is missing."""
+        return getattr(cfg.model, cls.model_field)
+
+    @classmethod
+    def create(cls, cfg: ExperimentConfig, locate: bool = True) -> "Adapter":
+        """The adapter for cfg. locate=False (planning only): a missing program or model is left None."""
+        program = model = None
+        if locate and not cfg.backend.endpoint:
+            program = cls.locate_program(cfg)
+        try:
+            model = cls.locate_model(cfg, program) if locate else getattr(cfg.model, cls.model_field)
+        except ConfigError:
+            if locate and not cfg.backend.endpoint:
+                raise
+        return cls(cfg, model, program)
+
+    @classmethod
+    def resolve(cls, cfg: ExperimentConfig, locate: bool = True) -> ServerSpec:
+        return cls.create(cfg, locate).spec
+
+    @classmethod
+    def install(cls, force: bool = False) -> None:
+        raise ConfigError(f"{cls.name}: kvexp cannot install this server; install it yourself")
+
+    def _spec(self) -> ServerSpec:
+        raise NotImplementedError
+
+    def _make_spec(self, argv: Optional[list[str]], env: dict[str, str], *, slots: Optional[int],
+                   context: Optional[int], per_seq: Optional[int], sources: dict[str, str],
+                   env_unset: tuple[str, ...] = (), block_size: Optional[int] = None,
+                   kv_budget_bytes: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
+                   unified_kv: bool = False) -> ServerSpec:
+        return ServerSpec(
+            backend=self.name, program=self.program, model_path=self.model_path,
+            argv=None if argv is None else tuple(argv), env=tuple(sorted(env.items())), env_unset=env_unset,
+            health_path=self.health_path, kv_dtype=self.cfg.kv.name, kv_backend_dtype=self.kv_type,
+            kv_bytes_per_element=kv_bytes_per_element(self.kv_type), slots=slots, context_tokens=context,
+            context_per_seq_tokens=per_seq, block_size=block_size, kv_budget_bytes=kv_budget_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
+            capabilities=self.capabilities, sources=tuple(sorted(sources.items())))
+
+    @property
+    def stream_keepalive(self) -> bool:
+        return self.capabilities.stream_keepalive
+
+    def launch_argv(self, port: int) -> list[str]:
+        return self.spec.launch_argv(port)
+
+    def launch_env(self, port: int) -> dict[str, str]:
+        return self.spec.launch_env(port)
+
+    def launch_env_unset(self) -> list[str]:
+        return list(self.spec.env_unset)
+
+    def unsupported_reason(self) -> Optional[str]:
+        """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
+        return None
+
+    # ---- requests
+    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+        raise NotImplementedError
+
+    def parse_line(self, line: bytes) -> Optional[StreamEvent]:
+        raise NotImplementedError
+
+    async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
+        raise NotImplementedError(f"{self.name} has no tokenizer endpoint")
+
+    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: str) -> int:
+        """Tokens the server will count for a chat request with this user message."""
+        raise NotImplementedError(f"{self.name} has no tokenizer endpoint")
+
+    # ---- telemetry
+    async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
+        return None
+
+    async def preload(self, session: aiohttp.ClientSession) -> bool:
+        """Load the model before measuring, where the server loads lazily. True when it did."""
+        return False
+
+    async def loaded_models(self, session: aiohttp.ClientSession) -> Optional[list[dict[str, Any]]]:
+        """The server's own accounting of loaded models (None: not exposed)."""
+        return None
+
+    async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
+        return KVCacheInfo()
+
+    async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
+        return TelemetrySample()

@@ -9,19 +9,34 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
 
 from kvexp.backends import openai
-from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
+from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
-from kvexp.config import ExperimentConfig, LlamaCppConfig, highest_concurrency
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, highest_concurrency
+from kvexp.planner import CacheModel
 
 KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\),"
     r"\s*K \((\w+)\):\s*([\d.]+) MiB,\s*V \((\w+)\):\s*([\d.]+) MiB")
 MIB = 1 << 20
+CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the default -c
+CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
+UNIFIED_FLAGS = ("--kv-unified", "-kvu")
+
+
+@dataclass
+class LlamaCppConfig(BackendConfig):
+    name: str = "llamacpp"
+    binary: Optional[str] = None  # path or name on PATH; None: PATH, then kvexp's cached build
+    threads: Optional[int] = None
+    n_gpu_layers: Optional[int] = None
+    flash_attn: str = "on"  # on | off | auto
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
@@ -55,48 +70,78 @@ def slots_usage(slots: list[dict[str, Any]]) -> Optional[float]:
     return min(1.0, used / total)
 
 
-class LlamaCpp:
+class LlamaCpp(Adapter):
     name = "llamacpp"
-    forces_output_length = True
-    health_path = "/health"
-    stream_keepalive = False  # the server closes the connection after each streamed response
+    display_name = "llama.cpp"
+    chart_marker = "s"
+    config_class = LlamaCppConfig
+    model_field = "gguf"
+    installable = True
+    capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
+                                exposes_preemptions=False, logprobs=True,
+                                stream_keepalive=False)  # the server closes the connection after each stream
+    cache_model = CacheModel(name="llamacpp", paged=False, cell_pad=CELL_PAD, default_slots=1)
+    b: LlamaCppConfig
 
-    def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], binary: Optional[str]):
-        assert isinstance(cfg.backend, LlamaCppConfig)
-        self.cfg = cfg
-        self.b = cfg.backend
-        self.model_path = model_path
-        self.binary = binary
-        self.kv_type = cfg.kv.per_backend["llamacpp"]
-        self.base_url = ""
-        self.served_name = cfg.model.name
+    @classmethod
+    def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
+        from kvexp.install import find_llama_server
+
+        found = find_llama_server(cfg.backend.binary)
+        if found is None:
+            where = f"backend.binary={cfg.backend.binary}" if cfg.backend.binary else "PATH or kvexp's cache"
+            raise ConfigError(f"llama-server not found in {where}: run `python -m kvexp install llamacpp` "
+                              "(builds it once, ~5 min) or set backend.binary=/path/to/llama-server")
+        return str(found)
+
+    @classmethod
+    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+        gguf = cfg.model.gguf
+        if gguf == "@tiny":
+            from kvexp.tinymodels import ensure_tiny_gguf
+
+            return str(ensure_tiny_gguf())
+        if not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
+            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+        return gguf
+
+    @classmethod
+    def install(cls, force: bool = False) -> None:
+        from kvexp.install import build_llama_server
+
+        build_llama_server(force=force)
 
     @property
     def parallel(self) -> int:
-        s = self.cfg.scenario
-        return self.b.parallel or highest_concurrency(s)
+        return self.spec.slots or 1
 
     @property
     def context(self) -> int:
-        s = self.cfg.scenario
-        # one slot must hold a whole request; -c is shared by all slots
-        return self.b.context or self.parallel * (s.prompt_tokens + s.max_tokens + 16)
+        return self.spec.context_tokens or 0
 
-    def launch_argv(self, port: int) -> list[str]:
-        if not self.binary or not self.model_path:
-            raise BackendError("llamacpp: no binary or model to launch")
-        argv = [self.binary, "-m", self.model_path, "--alias", self.served_name,
-                "--host", self.b.host, "--port", str(port), "-np", str(self.parallel),
-                "-c", str(self.context), "--metrics", "--slots",
-                "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", self.b.flash_attn, "-lv", "4"]
-        # all cores but one by default: the load generator needs a core of its own
-        argv += ["-t", str(self.b.threads or max(1, (os.cpu_count() or 2) - 1))]
-        if self.b.n_gpu_layers is not None:
-            argv += ["-ngl", str(self.b.n_gpu_layers)]
-        return argv + list(self.b.extra_args)
-
-    def launch_env(self, port: int) -> dict[str, str]:
-        return dict(self.b.env)
+    def _spec(self) -> ServerSpec:
+        s, b = self.cfg.scenario, self.b
+        slots = b.parallel or highest_concurrency(s)
+        unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
+        # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)
+        context = b.context or (1 if unified else slots) * (s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN)
+        sources = {"parallel": "backend.parallel" if b.parallel else "derived: highest concurrency level",
+                   "context_tokens": "backend.context" if b.context else
+                   f"derived: {'' if unified else 'parallel x '}(prompt + output + {CONTEXT_MARGIN})"}
+        argv = None
+        if self.program and self.model_path:
+            argv = [self.program, "-m", self.model_path, "--alias", self.served_name,
+                    "--host", b.host, "--port", PORT, "-np", str(slots),
+                    "-c", str(context), "--metrics", "--slots",
+                    "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", b.flash_attn, "-lv", "4"]
+            # all cores but one by default: the load generator needs a core of its own
+            argv += ["-t", str(b.threads or max(1, (os.cpu_count() or 2) - 1))]
+            if b.n_gpu_layers is not None:
+                argv += ["-ngl", str(b.n_gpu_layers)]
+            argv += list(b.extra_args)
+        return self._make_spec(argv, dict(b.env), slots=slots, context=context,
+                               per_seq=context if unified else context // slots, sources=sources,
+                               unified_kv=unified)
 
     def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
         # ignore_eos forces the length; cache_prompt off so no request is served from a prefix cache

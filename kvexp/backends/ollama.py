@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import aiohttp
 
-from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
+from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
-from kvexp.config import ConfigError, ExperimentConfig, OllamaConfig, check_kv, highest_concurrency
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, highest_concurrency
+from kvexp.planner import CacheModel
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
 QUANTISED = ("q8_0", "q4_0")
@@ -48,6 +51,25 @@ MANAGED_ENV = {
 PROMPT_SLACK = 2.0
 CONTEXT_PAD = 64
 NS = 1e9
+
+
+@dataclass
+class OllamaConfig(BackendConfig):
+    name: str = "ollama"
+    binary: Optional[str] = None  # `ollama` on PATH by default
+    flash_attention: bool = True
+
+
+def default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optional[int] = None) -> int:
+    """Ollama's default OLLAMA_CONTEXT_LENGTH by VRAM: < 24 GiB 4k, 24-48 GiB 32k, >= 48 GiB 256k
+    (capped at the model's own context where known)."""
+    if gpu_gib is None or gpu_gib < 24:
+        ctx = 4096
+    elif gpu_gib < 48:
+        ctx = 32768
+    else:
+        ctx = 262144
+    return min(ctx, model_context_tokens) if model_context_tokens else ctx
 
 # The fallbacks Ollama logs when it does not apply OLLAMA_KV_CACHE_TYPE (the runner then uses f16).
 _FALLBACKS = (
@@ -192,23 +214,25 @@ def _flag(args: list[str], flag: str) -> Optional[int]:
     return int(v) if v is not None and v.isdigit() else None
 
 
-class Ollama:
+class Ollama(Adapter):
     name = "ollama"
-    forces_output_length = False  # num_predict caps the output; the model may stop earlier
-    exact_prompts = False  # no tokenizer endpoint
+    display_name = "Ollama"
+    chart_marker = "^"
+    config_class = OllamaConfig
+    model_field = "ollama"
+    capabilities = Capabilities(forces_output_length=False,  # num_predict caps the output; it may stop earlier
+                                exact_prompts=False,  # no tokenizer endpoint
+                                exposes_kv_usage=False, exposes_preemptions=False, logprobs=False)
+    cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1,
+                             default_context=default_context_tokens)
     health_path = "/api/version"
+    b: OllamaConfig
 
     def __init__(self, cfg: ExperimentConfig, model_tag: Optional[str], binary: Optional[str]):
-        assert isinstance(cfg.backend, OllamaConfig)
-        self.cfg = cfg
-        self.b = cfg.backend
-        check_kv("ollama", cfg.kv)
         if not model_tag or model_tag.startswith("@"):
             raise ConfigError(f"model.ollama={model_tag!r} for model={cfg.model.name}: give an Ollama model tag "
                               "(e.g. model.ollama=qwen2.5:7b-instruct-q4_K_M), pulled beforehand")
-        self.model_tag = model_tag
-        self.binary = binary
-        self.kv_type = cfg.kv.per_backend["ollama"]
+        super().__init__(cfg, model_tag, binary)
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"kv={cfg.kv.name}: per_backend.ollama={self.kv_type!r}; OLLAMA_KV_CACHE_TYPE "
                               f"accepts {', '.join(KV_TYPES)}")
@@ -218,35 +242,53 @@ class Ollama:
         for key, knob in MANAGED_ENV.items():
             if key in self.b.env:
                 raise ConfigError(f"backend.env.{key}: kvexp sets it from {knob}; set that instead")
-        self.base_url = ""
+
+    @classmethod
+    def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
+        program = cfg.backend.binary or "ollama"
+        if shutil.which(program) is None:
+            raise ConfigError(f"{program} not found: install Ollama (https://ollama.com/download) or set "
+                              "backend.binary=/path/to/ollama")
+        return program
+
+    @classmethod
+    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+        if not cfg.model.ollama:
+            raise ConfigError(f"model.ollama is not set for model={cfg.model.name}: give an Ollama model tag")
+        return cfg.model.ollama
+
+    @property
+    def model_tag(self) -> str:
+        return str(self.model_path)
 
     @property
     def parallel(self) -> int:
-        s = self.cfg.scenario
-        return self.b.parallel or highest_concurrency(s)
+        return self.spec.slots or 1
 
     @property
     def context(self) -> int:
         """Context per sequence (Ollama multiplies it by OLLAMA_NUM_PARALLEL for the runner)."""
-        s = self.cfg.scenario
-        return self.b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
+        return self.spec.context_tokens or 0
 
-    def launch_argv(self, port: int) -> list[str]:
-        return [self.binary or "ollama", "serve", *self.b.extra_args]
-
-    def launch_env(self, port: int) -> dict[str, str]:
-        """The server's whole configuration: Ollama takes its port from OLLAMA_HOST (port 0: the
-        configured backend.port, else none and the server's default 11434)."""
+    def _spec(self) -> ServerSpec:
+        """The server's whole configuration is its environment: Ollama takes its port from OLLAMA_HOST
+        (port 0: the configured backend.port, else none and the server's default 11434)."""
+        s, b = self.cfg.scenario, self.b
+        slots = b.parallel or highest_concurrency(s)
+        context = b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
+        sources = {"parallel": "backend.parallel" if b.parallel else "derived: highest concurrency level",
+                   "context_tokens": "backend.context" if b.context else
+                   f"derived: {PROMPT_SLACK:g} x prompt + output + {CONTEXT_PAD}"}
         env = {
             "OLLAMA_KV_CACHE_TYPE": self.kv_type,
-            "OLLAMA_FLASH_ATTENTION": "1" if self.b.flash_attention else "0",
-            "OLLAMA_NUM_PARALLEL": str(self.parallel),
-            "OLLAMA_CONTEXT_LENGTH": str(self.context),
+            "OLLAMA_FLASH_ATTENTION": "1" if b.flash_attention else "0",
+            "OLLAMA_NUM_PARALLEL": str(slots),
+            "OLLAMA_CONTEXT_LENGTH": str(context),
+            "OLLAMA_HOST": _host_port(b.host, b.port or PORT),  # type: ignore[arg-type]
+            **b.env,
         }
-        port = port or self.b.port
-        if port:
-            env["OLLAMA_HOST"] = _host_port(self.b.host, port)
-        return {**env, **self.b.env}
+        argv = [self.program or "ollama", "serve", *b.extra_args]
+        return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources)
 
     def _options(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
         # num_ctx equals OLLAMA_CONTEXT_LENGTH, so a launched server does not reload the model; on an
@@ -276,10 +318,6 @@ class Ollama:
     def parse_line(self, line: bytes) -> Optional[StreamEvent]:
         return parse_ndjson_line(line)
 
-    async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
-        raise NotImplementedError("ollama has no tokenizer endpoint; prompts are estimated text "
-                                  "and realised lengths come from prompt_eval_count")
-
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
         try:
             async with session.get(self.base_url + "/api/version") as r:
@@ -289,7 +327,7 @@ class Ollama:
             pass
         return None
 
-    async def preload(self, session: aiohttp.ClientSession) -> None:
+    async def preload(self, session: aiohttp.ClientSession) -> bool:
         """Load the model (an empty prompt, as Ollama documents) so that the load lands neither in
         the first request's TTFT nor after the KV lines are read from the log. The reply carries no
         durations (done_reason "load" only): time the call if the load time is wanted."""
@@ -305,13 +343,10 @@ class Ollama:
             done = None
         if done is not True:
             raise BackendError(f"ollama: loading {self.model_tag}: unexpected reply {text[:80]!r}")
+        return True
 
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         return parse_server_log(log_text, self.kv_type)
-
-    async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
-        # Ollama exposes no KV usage, running/waiting counts or preemptions: all stay None.
-        return TelemetrySample()
 
     async def loaded_models(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
         """/api/ps: each loaded model's name, size and size_vram (bytes; the server's own accounting
@@ -327,7 +362,7 @@ class Ollama:
         return out
 
 
-def _host_port(host: str, port: int) -> str:
+def _host_port(host: str, port: int | str) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 

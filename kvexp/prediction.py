@@ -1,0 +1,44 @@
+"""The planner's prediction for a job: the architecture from the model's files (modelinfo), the
+fitted overhead from the calibration table, the maths from planner.py, all over the server the adapter
+resolved (so the prediction describes the server that is launched)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from kvexp import modelinfo, planner
+from kvexp.backends.base import ServerSpec
+from kvexp.calibration import lookup_overhead_gib
+from kvexp.config import ExperimentConfig
+from kvexp.planner import ModelArch
+
+
+def scenario_levels(cfg: ExperimentConfig) -> list[int]:
+    """Concurrency levels of the scenario (an open-loop scenario: its max_concurrency cap, if any)."""
+    s = cfg.scenario
+    if s.concurrency:
+        return [int(c) for c in s.concurrency]
+    return [int(s.max_concurrency)] if s.max_concurrency else []
+
+
+def model_arch(cfg: ExperimentConfig, spec: ServerSpec) -> ModelArch:
+    from kvexp.backends import adapter_class
+
+    return modelinfo.arch_for(cfg.model, adapter_class(spec.backend).model_field, spec.model_path)
+
+
+def predict(cfg: ExperimentConfig, spec: ServerSpec, *, gpu_name: Optional[str] = None,
+            gpu_gib: Optional[float] = None, calibration: Optional[Mapping[str, Any]] = None,
+            arch: Optional[ModelArch] = None) -> dict[str, Any]:
+    """The planner block for a job (result["planner"]). gpu_name / gpu_gib: measured values that
+    override cfg.gpu; arch: an architecture already resolved (else read from the model's files)."""
+    arch = arch or model_arch(cfg, spec)
+    gpu = gpu_gib if gpu_gib is not None else cfg.gpu.memory_gib
+    cal = lookup_overhead_gib(calibration, spec.backend, gpu_name or cfg.gpu.name,
+                              planner.canonical_kv_dtype(spec.kv_backend_dtype, arch.dtype_bytes))
+    out = planner.plan(arch, spec, gpu, prompt_tokens=cfg.scenario.prompt_tokens,
+                       max_tokens=cfg.scenario.max_tokens, levels=scenario_levels(cfg),
+                       calibrated_overhead_gib=cal)
+    if gpu is not None:
+        out["sources"]["gpu_gib"] = "measured" if gpu_gib is not None else "gpu config"
+    return out
