@@ -32,6 +32,9 @@ class BackendConfig:
     parallel: Optional[int] = None
     # Context length (llama.cpp total -c; vLLM --max-model-len; Ollama OLLAMA_CONTEXT_LENGTH).
     context: Optional[int] = None
+    # How often the server's own gauges (KV usage, running/waiting) are polled during a level, from a
+    # process of its own (kvexp/telemetry.py).
+    telemetry_interval_s: float = 0.02
 
 
 @dataclass
@@ -100,6 +103,28 @@ class ClientConfig:
 def highest_concurrency(s: "ScenarioConfig") -> int:
     """Most requests a scenario can have in flight at once (servers get this many slots by default)."""
     return max([*s.concurrency, s.max_concurrency or 1, 1])
+
+
+OPEN_LOOP_SLOTS = 16  # a slotted server's sequences for open-loop levels with no cap (backend.parallel)
+
+
+def server_slots(s: "ScenarioConfig", parallel: Optional[int]) -> tuple[int, str]:
+    """Sequences a slotted server (llama.cpp -np, OLLAMA_NUM_PARALLEL) runs at once, and where that
+    came from: backend.parallel, else the scenario's highest concurrency (or its max_concurrency cap),
+    else, for open-loop levels with no cap, OPEN_LOOP_SLOTS."""
+    if parallel:
+        return parallel, "backend.parallel"
+    if s.concurrency or s.max_concurrency:
+        return highest_concurrency(s), "derived: highest concurrency level"
+    return OPEN_LOOP_SLOTS, f"kvexp's default for open-loop levels without max_concurrency ({OPEN_LOOP_SLOTS})"
+
+
+def client_connections(s: "ScenarioConfig") -> Optional[int]:
+    """The load generator's connection pool: a closed loop's streams (+4 for the probes); None (no
+    limit) for open-loop levels without max_concurrency, so the pool never holds back a schedule."""
+    if s.concurrency or s.max_concurrency:
+        return highest_concurrency(s) + 4
+    return None
 
 
 @dataclass

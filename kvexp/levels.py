@@ -17,6 +17,8 @@ SPREAD_RATIO = 3.0  # TTFT p95 above this x p50: a wide spread
 MAX_CV = stats.UNSTABLE_CV  # coefficient of variation across repeats at or above this: unstable
 MIN_KV_SAMPLES = 5  # fewer KV-usage samples than this: the peak is a lower bound
 RATE_SHORTFALL = 0.9  # an open-loop level that started fewer than this share of its scheduled rate
+PLAN_USAGE_MARGIN = 0.02  # measured KV usage above the planner's prediction by more than this: flagged
+TPOT_AGREEMENT = 0.10  # client and server TPOT p50 further apart than this (a fraction): flagged
 
 # code -> what it means, for report legends
 WARNING_CODES = {
@@ -29,6 +31,11 @@ WARNING_CODES = {
     "client_limited": "client-limited",
     "rate_shortfall": "requests started slower than scheduled",
     "unstable": f"CV ≥ {MAX_CV * 100:.0f} % across repeats",
+    "bursts": "server streamed in bursts: client TPOT/ITL reflect delivery",
+    "kv_usage_implied": "preemptions imply a full KV cache (samples saw less)",
+    "kv_above_plan": f"KV usage above the planner's prediction (+{PLAN_USAGE_MARGIN * 100:.0f} %)",
+    "tpot_disagrees": f"client and server TPOT differ by > {TPOT_AGREEMENT * 100:.0f} %",
+    "server_queueing": "requests waited in the server's queue",
 }
 
 
@@ -90,12 +97,16 @@ class Level:
     scheduled_rate: Optional[float] = None
     status_reason: Optional[str] = None
     repeats: Optional[dict[str, Any]] = None
+    # the server's own timing of the same requests (stats.server_view_*), and how tokens arrived
+    server: Optional[dict[str, Any]] = None
+    delivery: Optional[dict[str, Any]] = None
+    kv_usage_sampled_peak: Optional[float] = None  # set when preemptions prove a higher peak than sampled
     warnings: list[LevelWarning] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["warnings"] = [w.to_json() for w in self.warnings]
-        for key in ("achieved_rate", "scheduled_rate", "status_reason", "repeats"):
+        for key in ("achieved_rate", "scheduled_rate", "status_reason", "repeats", "kv_usage_sampled_peak"):
             if out[key] is None:  # only where they apply (open loop, a failed level, the last repeat)
                 del out[key]
         return out
@@ -103,9 +114,12 @@ class Level:
 
 def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output_lengths: Sequence[Optional[int]],
                    prompt_tokens: int, max_tokens: int, forced: bool,
-                   client_limits: Sequence[str] = ()) -> list[LevelWarning]:
+                   client_limits: Sequence[str] = (), predicted_kv_usage: Optional[float] = None,
+                   held_back_by: Optional[str] = None) -> list[LevelWarning]:
     """What qualifies a level's numbers. prompt/output_lengths: the realised lengths of its successful
-    requests (checked against the scenario's only where the backend forces them)."""
+    requests (checked against the scenario's only where the backend forces them); predicted_kv_usage:
+    the planner's prediction for this level, the truth its measured KV usage is checked against;
+    held_back_by: what the scenario itself caps an open loop with (max_concurrency, max_start_rate)."""
     w: list[LevelWarning] = []
     if level.errors:
         w.append(LevelWarning("errors", f"{level.errors} of {level.requests} requests failed",
@@ -129,6 +143,32 @@ def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output
     if level.peak_kv_cache_usage is not None and level.kv_usage_samples < MIN_KV_SAMPLES:
         w.append(LevelWarning("kv_undersampled", f"KV usage was sampled only {level.kv_usage_samples} times "
                               "in this level: its peak is a lower bound", {"samples": level.kv_usage_samples}))
+    if level.kv_usage_sampled_peak is not None or (level.preemptions and level.kv_usage_samples == 0):
+        w.append(LevelWarning("kv_usage_implied", f"{level.preemptions:g} preemptions: the KV cache was full "
+                              f"(peak shown as 100 %; the samples saw {_pct(level.kv_usage_sampled_peak)})",
+                              {"preemptions": level.preemptions, "sampled_peak": level.kv_usage_sampled_peak}))
+    peak = level.peak_kv_cache_usage
+    if peak is not None and predicted_kv_usage is not None and peak > predicted_kv_usage + PLAN_USAGE_MARGIN \
+            and not level.preemptions:
+        w.append(LevelWarning("kv_above_plan", f"peak KV usage {_pct(peak)} is above the planner's "
+                              f"{_pct(predicted_kv_usage)}: the server holds more than the requests need, or the "
+                              "plan describes another cache", {"peak": peak, "predicted": predicted_kv_usage}))
+    d = level.delivery or {}
+    server_tpot = (level.server or {}).get("tpot_p50_ms") or (level.server or {}).get("tpot_mean_ms")
+    if d.get("bursts"):
+        w.append(LevelWarning("bursts", f"server streamed in bursts ({d['tokens_per_chunk']:g} tokens per chunk, "
+                              f"{d['multi_token_chunk_share'] * 100:.0f} % of chunks multi-token): client TPOT/ITL "
+                              "reflect delivery, not decoding" + (f"; the server's TPOT is {server_tpot:g} ms"
+                                                                  if server_tpot else ""),
+                              {"tokens_per_chunk": d["tokens_per_chunk"],
+                               "multi_token_chunk_share": d["multi_token_chunk_share"], "server_tpot_ms": server_tpot}))
+    elif server_tpot and level.tpot_p50_ms and abs(level.tpot_p50_ms - server_tpot) > TPOT_AGREEMENT * server_tpot:
+        w.append(LevelWarning("tpot_disagrees", f"client TPOT p50 {level.tpot_p50_ms:g} ms and the server's "
+                              f"{server_tpot:g} ms differ by more than {TPOT_AGREEMENT * 100:.0f} %",
+                              {"client_tpot_p50_ms": level.tpot_p50_ms, "server_tpot_ms": server_tpot}))
+    if level.rate is not None and level.max_waiting:
+        w.append(LevelWarning("server_queueing", f"up to {level.max_waiting} requests waited in the server's queue: "
+                              "its slots, not the client, held them back", {"max_waiting": level.max_waiting}))
     if client_limits:
         w.append(LevelWarning("client_limited", "; ".join(client_limits) + ": the client may have limited "
                               "this level (set client.workers)",
@@ -136,8 +176,9 @@ def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output
     planned, achieved = level.scheduled_rate, level.achieved_rate
     if planned and achieved is not None and achieved < RATE_SHORTFALL * planned:
         w.append(LevelWarning("rate_shortfall", f"requests started at {achieved:g}/s where the schedule asked "
-                              f"{planned:g}/s: max_concurrency, max_start_rate or a lagging load generator "
-                              "held them back", {"achieved_rate": achieved, "scheduled_rate": planned}))
+                              f"{planned:g}/s (client queue p99 {level.client_queue_p99_ms} ms): "
+                              f"{held_back_by or 'the load generator lagged'}",
+                              {"achieved_rate": achieved, "scheduled_rate": planned}))
     figures = stats.unstable(level.repeats or {})
     if figures:
         reps = level.repeats or {}
@@ -146,3 +187,7 @@ def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output
         w.append(LevelWarning("unstable", f"unstable across {reps[figures[0]]['n']} repeats: {text}",
                               {"cv": cvs, "n": reps[figures[0]]["n"]}))
     return w
+
+
+def _pct(x: Optional[float]) -> str:
+    return "nothing" if x is None else f"{x * 100:.1f} %"

@@ -114,9 +114,11 @@ class TimedRequest(aiohttp.ClientRequest):
         return await super().write_bytes(*args, **kwargs)
 
 
-def make_session(base_url: str, max_connections: int, request_timeout_s: float,
+def make_session(base_url: str, max_connections: Optional[int], request_timeout_s: float,
                  stall_timeout_s: float, headers: Optional[dict[str, str]] = None) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=max(1, max_connections), limit_per_host=0,
+    """The sending process's one session. max_connections None: no limit (an open loop's schedule is
+    never held back by the pool)."""
+    connector = aiohttp.TCPConnector(limit=0 if max_connections is None else max(1, max_connections), limit_per_host=0,
                                      force_close=False, enable_cleanup_closed=True)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_read=stall_timeout_s)
     return aiohttp.ClientSession(base_url=base_url, connector=connector, timeout=timeout,
@@ -129,7 +131,7 @@ class ClientOptions:
     its own loop and session, made from these settings)."""
 
     base_url: str
-    max_connections: int
+    max_connections: Optional[int]  # None: no limit
     request_timeout_s: float
     stall_timeout_s: float
     headers: Optional[dict[str, str]] = None

@@ -63,6 +63,8 @@ class CacheModel:
     shared by all slots (llama.cpp's -c).
     cell_pad: each slot's cells are rounded up to a multiple of this (llama-server: 256).
     default_slots: sequences at once when nothing sets it (None: not limited).
+    reserved_blocks: blocks of a paged pool that hold no request (vLLM's null block: its usage gauge
+    is used / (blocks - 1), and requests preempt when those blocks are taken).
     default_context: the context when nothing sets it, from (GPU GiB, the model's own context);
     None: the model's own context."""
 
@@ -73,6 +75,7 @@ class CacheModel:
     default_slots: Optional[int] = 1
     default_context: Optional[Callable[[Optional[float], Optional[int]], int]] = None
     default_block_size: Optional[int] = None
+    reserved_blocks: int = 0  # blocks of the pool no request can use (vLLM keeps one null block)
 
 
 @dataclass(frozen=True)
@@ -233,11 +236,16 @@ def _gib(x: Optional[float]) -> Optional[float]:
 # The per-job planner block
 
 
+def _pad(n: int, pad: int) -> int:
+    return -(-n // pad) * pad
+
+
 def cells_per_slot(context_tokens: int, slots: int, pad: int = 1) -> int:
-    """KV cells each of `slots` slots gets from a shared context, rounded up to a multiple of `pad`
-    (llama-server pads to 256: -c 128 -np 2 gives 2 x 256 cells, -c 4096 -np 3 gives 3 x 1536)."""
-    share = max(1, context_tokens // max(1, slots))
-    return -(-share // pad) * pad
+    """KV cells each of `slots` slots gets from a shared context, as llama-server sizes them: the
+    context rounded up to a multiple of `pad`, split, each share rounded up again (-c 128 -np 2 gives
+    2 x 256 cells, -c 3136 -np 4 gives 4 x 1024, -c 4096 -np 3 gives 3 x 1536)."""
+    share = max(1, _pad(max(1, context_tokens), pad) // max(1, slots))
+    return _pad(share, pad)
 
 
 def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float | None, *,
@@ -334,9 +342,10 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                 fits = peak <= gpu_gib and fits is not False
         request_fits = None if per_slot is None else request_tokens <= per_slot
         max_pre = max_req = None
+        usable = cap if cap is None or not paged else max(0, cap - cache.reserved_blocks * bs)
         if cap is not None and request_fits is not None:
             if paged:
-                max_pre = max_concurrency(cap, request_tokens, bs) if request_fits else 0
+                max_pre = max_concurrency(usable, request_tokens, bs) if request_fits else 0
                 max_req = max_pre if slots is None else min(max_pre, slots)
             elif unified_kv:  # the slots share one stream: as many whole requests as it holds
                 max_req = min(slots or 1, cap // request_tokens) if request_fits else 0
@@ -345,7 +354,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         rows = []
         for c in levels:
             running = c if slots is None else min(c, slots)
-            usage = None if cap is None else kv_usage(running, cap, request_tokens, bs)
+            usage = None if cap is None else kv_usage(running, usable, request_tokens, bs)
             rows.append({
                 "concurrency": c,
                 "predicted_kv_usage": None if usage is None else round(usage, 4),

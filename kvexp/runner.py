@@ -20,10 +20,11 @@ import aiohttp
 from kvexp import backends, prompts, stats
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
-from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label, to_plain
+from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label, to_plain
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.levels import Level, level_warnings
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
+from kvexp.telemetry import TelemetrySampler
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, utc_now, write_json, write_jsonl)
 from kvexp.validate import SCHEMA_VERSION
@@ -97,7 +98,6 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-POOL = ServerPool()
 
 
 @dataclass
@@ -171,13 +171,16 @@ def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, A
 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
-            pool: ServerPool = POOL) -> dict[str, Any]:
+            pool: Optional[ServerPool] = None) -> dict[str, Any]:
     """Run one job and return its result (also written to out_dir/result.json after every level).
 
     With cfg.resume, a result already in out_dir from the same spec keeps its finished levels and only
     the missing ones are measured; one from another spec is refused (ResultError, nothing written).
     Whatever ends the job (a dead server, an error, an interrupt), the result says why, with the server
-    log's tail, and a server is kept for the next job only after a complete one."""
+    log's tail, and a server is kept in `pool` for the next job only after a complete one (no pool:
+    the job's server is stopped when it ends)."""
+    own_pool = pool is None
+    pool = pool or ServerPool()
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = backends.create(cfg)
     unsupported = backend.unsupported_reason()  # e.g. fp8 KV on this CPU
@@ -225,7 +228,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
         job.save()
-        if server is not None and res["status"] != "complete":
+        if server is not None and (own_pool or res["status"] != "complete"):
             pool.release()
     return res
 
@@ -272,7 +275,7 @@ def _check_alive(server: Optional[_Server]) -> None:
 async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observer: Optional[Observer]) -> None:
     cfg, res = job.cfg, job.result
     s = cfg.scenario
-    max_conn = highest_concurrency(s) + 4
+    max_conn = client_connections(s)
     headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
         res["backend"]["version"] = await backend.version(session)
@@ -292,6 +295,8 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
         maker = await PromptMaker.create(backend, session, s.prompt_tokens, s.api, s.seed)
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
         sampler.start()
+        gauges = TelemetrySampler(backend, backend.base_url, headers, cfg.backend.telemetry_interval_s)
+        gauges.start()
         try:
             tw = time.monotonic()
             if s.warmup_requests:
@@ -305,12 +310,14 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
                     continue  # finished by an earlier run of this job (resume)
                 for repeat in range(s.repeats):
                     _check_alive(server)
-                    summary = await _run_level(job, backend, session, lg, maker, sampler, kind, value, repeat, observer)
+                    summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
+                                               repeat, observer)
                     job.add_level(summary)
             _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
         finally:
             sampler.stop()
+            gauges.stop()
 
 
 class PromptMaker:
@@ -353,77 +360,42 @@ class PromptMaker:
         return out
 
 
-class TelemetryPoller:
-    """Polls the server's own metrics during a level: peak KV usage, peak running/waiting."""
-
-    def __init__(self, backend: Adapter, session: aiohttp.ClientSession):
-        self.backend, self.session = backend, session
-        self.kv_usage: list[float] = []
-        self.running: list[int] = []
-        self.waiting: list[int] = []
-        self.failures = 0
-        self._task: Optional[asyncio.Task] = None
-
-    async def sample(self):
-        try:
-            return await self.backend.poll(self.session)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-            self.failures += 1
-            return None
-
-    async def _run(self) -> None:
-        while True:
-            t = await self.sample()
-            if t is not None:
-                if t.kv_usage is not None:
-                    self.kv_usage.append(t.kv_usage)
-                if t.running is not None:
-                    self.running.append(t.running)
-                if t.waiting is not None:
-                    self.waiting.append(t.waiting)
-            await asyncio.sleep(POLL_INTERVAL_S)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
+    """One direct poll of the server's gauges and counters (a level's preemptions are their difference)."""
+    try:
+        return await backend.poll(session)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        return None
 
 
 async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
-                     maker: PromptMaker, sampler: MemorySampler, kind: str, value: float, repeat: int,
-                     observer: Optional[Observer]) -> dict[str, Any]:
+                     maker: PromptMaker, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
+                     value: float, repeat: int, observer: Optional[Observer]) -> dict[str, Any]:
     from kvexp.loadgen import ClientOptions, client_environment
 
     s, client = job.cfg.scenario, job.cfg.client
     reqs = await maker.requests(s.requests, s.max_tokens, value, repeat)
     options = ClientOptions(base_url=backend.base_url,
-                            max_connections=highest_concurrency(s) + 4,
+                            max_connections=client_connections(s),
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)
-    before = await TelemetryPoller(backend, session).sample()
-    poller = TelemetryPoller(backend, session)
+    counters_before = await backend.server_counters(session)
+    before = await _sample(backend, session)
     sampler.window()
+    gauges.window()
     if observer:
         observer.level_started(value, s.requests, repeat)
-    poller.start()
-    try:
-        if kind == "concurrency":
-            run = await lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
-        else:
-            offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
-            run = await lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
-                                     max_start_rate=s.max_start_rate, options=options)
-    finally:
-        await poller.stop()
+    if kind == "concurrency":
+        run = await lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
+    else:
+        offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
+        run = await lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
+                                 max_start_rate=s.max_start_rate, options=options)
     records = run.records
-    after = await TelemetryPoller(backend, session).sample()
+    seen = gauges.window()
+    after = await _sample(backend, session)
+    counters_after = await backend.server_counters(session)
     mem = sampler.window()
     write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
 
@@ -437,11 +409,11 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         peak_vram_gib=_gib(mem.device_used_bytes),
         peak_server_gpu_gib=_gib(mem.server_gpu_bytes),
         peak_rss_gib=_gib(mem.server_rss_bytes),
-        peak_kv_cache_usage=round(max(poller.kv_usage), 4) if poller.kv_usage else None,
-        kv_usage_samples=len(poller.kv_usage),
+        peak_kv_cache_usage=None if seen.peak_kv_usage is None else round(seen.peak_kv_usage, 4),
+        kv_usage_samples=seen.samples,
         preemptions=_delta(before, after),
-        max_running=max(poller.running) if poller.running else None,
-        max_waiting=max(poller.waiting) if poller.waiting else None,
+        max_running=seen.max_running,
+        max_waiting=seen.max_waiting,
         loop_lag_p99_ms=run.loop_lag_p99_ms,
         client_workers=run.workers,
         client_cpu_util=max(run.cpu_util, default=None),
@@ -450,7 +422,13 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     if kind == "rate":
         level.achieved_rate = stats.start_rate(records)
         level.scheduled_rate = stats.start_rate(records, scheduled=True)
-    limits = stats.client_limits(run.loop_lag_p99_ms, level.itl_p50_ms, run.cpu_util)
+    level.server = backend.server_view(records, counters_before, counters_after)
+    level.delivery = stats.delivery(records)
+    if level.preemptions and (level.peak_kv_cache_usage or 0.0) < 1.0:
+        # vLLM preempts only when no free block is left: the cache was full, whatever the samples saw
+        level.kv_usage_sampled_peak, level.peak_kv_cache_usage = level.peak_kv_cache_usage, 1.0
+    bursts = bool(level.delivery["bursts"])
+    limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
     level.client_limited = bool(limits)
     if level.requests and level.errors / level.requests > s.max_error_rate:
         level.status = "failed"
@@ -464,13 +442,30 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     done = [r for r in records if r.ok]
     level.warnings = level_warnings(level, [r.prompt_tokens for r in done], [r.output_tokens for r in done],
                                     s.prompt_tokens, s.max_tokens, backend.capabilities.forces_output_length,
-                                    limits)
+                                    limits, _predicted_usage(job.result.get("planner"), level.concurrency),
+                                    _caps(s))
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
     out = level.to_json()
     if observer:
         observer.level_done(value, out)
     return out
+
+
+def _caps(s: Any) -> Optional[str]:
+    """What holds back an open loop's starts by the scenario's own choice (None: nothing)."""
+    caps = [f"max_concurrency={s.max_concurrency}" if s.max_concurrency else "",
+            f"max_start_rate={s.max_start_rate:g}/s" if s.max_start_rate else ""]
+    held = " and ".join(c for c in caps if c)
+    return f"the scenario's {held} held them back" if held else None
+
+
+def _predicted_usage(plan: Optional[dict[str, Any]], concurrency: Optional[int]) -> Optional[float]:
+    """The planner's predicted KV usage at this concurrency (None: no plan or no such level)."""
+    for row in (plan or {}).get("levels") or []:
+        if concurrency is not None and row.get("concurrency") == concurrency:
+            return row.get("predicted_kv_usage")
+    return None
 
 
 def _delta(before: Any, after: Any) -> Optional[float]:

@@ -21,7 +21,19 @@ The client's self-check (client_limits): a level is flagged as possibly limited 
 the load generator's event loop woke late from its 10 ms sleeps (p99 lag above CLIENT_LAG_LIMIT_MS,
 or above CLIENT_LAG_ITL_FRACTION of the level's ITL p50 when that is larger) or when a process that
 sent requests was busy for at least CLIENT_CPU_LIMIT of one core. A token that arrives while the loop
-is busy is stamped when the loop gets to it, so the lag is the client's own timing error."""
+is busy is stamped when the loop gets to it, so the lag is the client's own timing error.
+
+Delivery (delivery): a chunk is one read of the response body; tokens in one chunk share a timestamp,
+so ITL is per delivered chunk, not per token, when several tokens share one. tokens_per_chunk = output
+tokens / chunks; multi_token_chunk_share = chunks that carried more than one token / chunks (where the
+server merged tokens into one stream event, the extra tokens are counted as making single-event chunks
+multi-token: a lower bound). A level is flagged as streamed in bursts when tokens_per_chunk >=
+BURST_TOKENS_PER_CHUNK or multi_token_chunk_share >= BURST_CHUNK_SHARE: its client TPOT and ITL then
+reflect delivery, not decoding, and the server's own TPOT is the figure for decoding speed.
+
+The server's view (server_view_*): what the server itself measured for the same requests, per
+request (llama-server's `timings`, Ollama's durations) or from its histograms' differences over the
+level (vLLM's /metrics: mean = delta sum / delta count)."""
 
 from __future__ import annotations
 
@@ -148,11 +160,37 @@ def goodput(records: Sequence[Any], slo_ttft_ms: Optional[float], slo_tpot_ms: O
 CLIENT_LAG_LIMIT_MS = 5.0
 CLIENT_LAG_ITL_FRACTION = 0.5
 CLIENT_CPU_LIMIT = 0.9
+BURST_TOKENS_PER_CHUNK = 1.5
+BURST_CHUNK_SHARE = 0.25
+
+
+def delivery(records: Sequence[Any]) -> dict[str, Any]:
+    """How the successful requests' tokens arrived: chunks (reads), tokens per chunk, the share of
+    multi-token chunks, and whether the level was streamed in bursts (see the module's docstring)."""
+    chunks = multi = tokens = 0
+    for r in records:
+        if not r.ok or not r.token_times_s or r.output_tokens is None:
+            continue
+        per_read: dict[float, int] = {}
+        for t in r.token_times_s:
+            per_read[t] = per_read.get(t, 0) + 1
+        merged = max(0, r.output_tokens - len(r.token_times_s))  # tokens the server put in shared events
+        singles = sum(1 for n in per_read.values() if n == 1)
+        chunks += len(per_read)
+        multi += len(per_read) - singles + min(merged, singles)
+        tokens += r.output_tokens
+    if not chunks:
+        return {"chunks": None, "tokens_per_chunk": None, "multi_token_chunk_share": None, "bursts": None}
+    per_chunk, share = tokens / chunks, multi / chunks
+    return {"chunks": chunks, "tokens_per_chunk": round(per_chunk, 3), "multi_token_chunk_share": round(share, 4),
+            "bursts": per_chunk >= BURST_TOKENS_PER_CHUNK or share >= BURST_CHUNK_SHARE}
 
 
 def client_limits(loop_lag_p99_ms: Optional[float], itl_p50_ms: Optional[float],
                   cpu_util: Sequence[float]) -> list[str]:
-    """Why the client may have limited a level (empty when it kept up); see the module's docstring."""
+    """Why the client may have limited a level (empty when it kept up); see the module's docstring.
+    Pass itl_p50_ms None for a level streamed in bursts: its ITL is the server's delivery, no yardstick
+    for the client."""
     out = []
     limit = max(CLIENT_LAG_LIMIT_MS, CLIENT_LAG_ITL_FRACTION * itl_p50_ms if itl_p50_ms else 0.0)
     if loop_lag_p99_ms is not None and loop_lag_p99_ms > limit:
@@ -202,3 +240,45 @@ def repeats_of(levels: Sequence[dict[str, Any]]) -> dict[str, dict[str, Optional
 def unstable(repeats: dict[str, dict[str, Optional[float]]]) -> list[str]:
     """Figures whose coefficient of variation across repeats is at least UNSTABLE_CV."""
     return [k for k, r in repeats.items() if r.get("cv") is not None and r["cv"] >= UNSTABLE_CV]
+
+
+def _ms_or_none(values: Sequence[float], q: Optional[float] = None) -> Optional[float]:
+    if not values:
+        return None
+    return _ms(percentile(values, q) if q is not None else fmean(values), 3)
+
+
+def server_view_from_requests(timings: Sequence[dict[str, Optional[float]]], source: str) -> Optional[dict[str, Any]]:
+    """The server's own per-request figures over a level: TPOT and prefill (p50 and mean, ms) and the
+    prompt tokens it served from its cache. Each timing: {tpot_s, prefill_s, cached_tokens} (None where
+    the server did not say)."""
+    if not timings:
+        return None
+    tpot = [t["tpot_s"] for t in timings if t.get("tpot_s") is not None]
+    prefill = [t["prefill_s"] for t in timings if t.get("prefill_s") is not None]
+    cached = [t["cached_tokens"] for t in timings if t.get("cached_tokens") is not None]
+    return {"source": source, "requests": len(timings),
+            "tpot_p50_ms": _ms_or_none(tpot, 50), "tpot_mean_ms": _ms_or_none(tpot),
+            "prefill_p50_ms": _ms_or_none(prefill, 50), "prefill_mean_ms": _ms_or_none(prefill),
+            "cached_prompt_tokens": int(sum(cached)) if cached else None}
+
+
+def histogram_means(before: dict[str, float], after: dict[str, float], names: dict[str, str]) -> dict[str, Optional[float]]:
+    """{figure: mean in ms} over a level from cumulative histograms read before and after it:
+    (after sum - before sum) / (after count - before count), for names = {figure: histogram name}."""
+    out: dict[str, Optional[float]] = {}
+    for figure, name in names.items():
+        try:
+            n = after[name + "_count"] - before.get(name + "_count", 0.0)
+            total = after[name + "_sum"] - before.get(name + "_sum", 0.0)
+        except KeyError:
+            out[figure] = None
+            continue
+        out[figure] = _ms(total / n, 3) if n > 0 else None
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float], name: str) -> Optional[float]:
+    if name not in after:
+        return None
+    return after[name] - before.get(name, 0.0)

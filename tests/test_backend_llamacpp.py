@@ -27,7 +27,10 @@ def test_completions_stream_parses():
     assert sum(e.content for e in ev) == 5  # five characters; the final empty-text chunk is no token
     final = [e for e in ev if e.output_tokens is not None][0]
     assert (final.prompt_tokens, final.output_tokens, final.finish_reason) == (20, 5, "length")
-    assert final.server_timings == pytest.approx({"prompt_s": 0.000671, "predicted_s": 0.001266})
+    t = final.server_timings
+    assert {k: t[k] for k in ("prompt_s", "predicted_s")} == pytest.approx({"prompt_s": 0.000671, "predicted_s": 0.001266})
+    assert (t["prompt_n"], t["predicted_n"], t["cache_n"]) == (20, 5, 0)
+    assert t["predicted_per_token_s"] == pytest.approx(0.0003165)  # the server's TPOT
     assert ev[-1].done
 
 

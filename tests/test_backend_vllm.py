@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp import test_utils
 
-from kvexp import prompts
+from kvexp import prompts, stats
 from kvexp.backends import process
 from kvexp.backends.base import BackendError, KVCacheInfo
 from kvexp.backends.metrics import labels_of
@@ -27,6 +27,7 @@ from kvexp.backends.vllm import (
 from kvexp.cli import compose
 from kvexp.config import ExperimentConfig
 from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.telemetry import TelemetrySampler
 
 FIX = Path(__file__).parent / "fixtures" / "vllm"
 
@@ -191,7 +192,7 @@ def test_launch_argv_fp16_defaults(cfg16) -> None:
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--model") == "/models/tiny" and _flag(argv, "--served-model-name") == "tiny"
     assert _flag(argv, "--host") == "127.0.0.1" and _flag(argv, "--port") == "8123"
-    assert _flag(argv, "--kv-cache-dtype") == "auto"
+    assert _flag(argv, "--kv-cache-dtype") == "float16"  # kv=fp16 means fp16, not the model's dtype
     assert _flag(argv, "--max-model-len") == str(128 + 64 + 16)
     assert _flag(argv, "--max-num-seqs") == "16"
     assert _flag(argv, "--gpu-memory-utilization") == "0.9"  # not a CPU build: the GPU default
@@ -526,7 +527,7 @@ class TestRealServer:
         info = vllm_servers.info("fp16")
         print(f"\nvllm fp16 KV cache: {info}")
         # 2 layers x (K+V) x 2 KV heads x 32 x 2 bytes = 512 bytes per token
-        assert (info.dtype, info.block_size, info.bytes) == ("auto", 128, KV_BYTES)
+        assert (info.dtype, info.block_size, info.bytes) == ("float16", 128, KV_BYTES)
         assert info.capacity_tokens == KV_BYTES // 512 == info.blocks * info.block_size
         assert not any("differs" in s for s in info.source)
         assert any("server log" in s for s in info.source)
@@ -571,6 +572,57 @@ class TestRealServer:
         assert preempted > 0
         assert max(x.waiting for x in samples) > 0
 
+    def test_fast_sampling_sees_the_full_cache_in_10_of_10_runs(self, vllm_servers: _Servers) -> None:
+        """1 MiB of KV cache (15 usable blocks of 128), 16 requests of 200 + 100 tokens: vLLM preempts,
+        and the telemetry process (a poll every 20 ms) must see the full cache every time."""
+        b = vllm_servers.get("fp16")
+        sampler = TelemetrySampler(b, b.base_url, None, 0.02)
+        sampler.start()
+        seen = []
+        try:
+            for run in range(10):
+                async def go(s, run=run):
+                    before = await b.poll(s)
+                    pool = await prompts.token_pool(b, s, seed=0)
+                    batch = [(b.request(p, 100, "completions"),
+                              RequestRecord(index=i, level=16, target_prompt_tokens=200, max_tokens=100))
+                             for i, p in enumerate(prompts.token_prompts(pool, 16, 200, seed=100 + run))]
+                    sampler.window()
+                    recs = await LoadGenerator(s, b).closed_loop(batch, 16)
+                    return before, sampler.window(), recs, await b.poll(s)
+
+                before, win, recs, after = with_session(b, go)
+                assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
+                seen.append((after.preemptions_total - before.preemptions_total, win.peak_kv_usage, win.samples,
+                             win.poll_p50_ms, win.failures, win.max_running, win.max_waiting))
+        finally:
+            sampler.stop()
+        print("\n(preemptions, sampled peak, samples, poll p50 ms, failures, max running, max waiting) per run:", seen)
+        assert all(p > 0 and peak is not None and peak >= 0.9 for p, peak, *_ in seen)
+        assert all(running > 1 and waiting > 0 for *_, running, waiting in seen)
+
+    def test_server_tpot_beside_the_client(self, vllm_servers: _Servers) -> None:
+        """4 requests at once fit the cache (4 x 3 blocks of 15): no preemption; when tokens arrive one per
+        chunk the client's TPOT p50 is within 5 % of the server's own (its histograms' difference)."""
+        b = vllm_servers.get("fp16")
+
+        async def go(s):
+            pool = await prompts.token_pool(b, s, seed=0)
+            batch = [(b.request(p, 100, "completions"),
+                      RequestRecord(index=i, level=4, target_prompt_tokens=200, max_tokens=100))
+                     for i, p in enumerate(prompts.token_prompts(pool, 8, 200, seed=7))]
+            before = await b.server_counters(s)
+            recs = await LoadGenerator(s, b).closed_loop(batch, 4)
+            return before, recs, await b.server_counters(s)
+
+        before, recs, after = with_session(b, go)
+        view, summary, d = b.server_view(recs, before, after), stats.summarize_level(recs), stats.delivery(recs)
+        print(f"\nvLLM c=4: TPOT p50 client {summary['tpot_p50_ms']} ms, server mean {view['tpot_mean_ms']} ms, "
+              f"TTFT p50 client {summary['ttft_p50_ms']} ms, server mean {view['ttft_mean_ms']} ms; delivery {d}")
+        assert view["requests"] == 8
+        if not d["bursts"]:
+            assert summary["tpot_p50_ms"] == pytest.approx(view["tpot_mean_ms"], rel=0.05)
+
     def test_fp8_doubles_capacity(self, vllm_servers: _Servers) -> None:
         if not cpu_fp8_kv_supported(Path("/proc/cpuinfo").read_text()):
             pytest.skip("vLLM's CPU build needs AVX-512 or AMX for an fp8 KV cache; this CPU has neither")
@@ -586,3 +638,56 @@ class TestRealServer:
         vllm_servers.stop()
         left = [pid for g in vllm_servers.pgids for pid in live_in_group(g)]
         assert not left, f"vLLM processes left after stop (engine core, worker): {left}"
+
+
+def test_server_view_from_the_histograms_of_a_level(cfg16) -> None:
+    # 8 requests of 200 + 100 tokens at c=4 on the real server, /metrics before and after
+    b = VLLM(cfg16, "/m", "py")
+    before, after = (counters_of(fixture(f"bf16/metrics_level_{w}.txt")) for w in ("before", "after"))
+    view = b.server_view([], before, after)
+    assert view["requests"] == 8 and view["source"].startswith("vLLM's /metrics")
+    assert view["ttft_mean_ms"] == pytest.approx(17.73, abs=0.01)
+    assert view["tpot_mean_ms"] == pytest.approx(2.567, abs=0.001)  # the client measured 2.58 ms
+    assert view["e2e_mean_ms"] == pytest.approx(271.95, abs=0.01)
+    assert view["prefix_cache_hit_rate"] == 0.0  # unique prompts: 1,600 tokens queried, none hit
+    assert b.server_view([], None, after) is None
+
+
+def test_poll_asks_the_filtered_metrics_endpoint(cfg16) -> None:
+    asked: list[str] = []
+
+    async def filtered(request: web.Request) -> web.Response:
+        asked.extend(request.query.getall("name[]"))
+        return web.Response(text=fixture("bf16/metrics_filtered.txt"), content_type="text/plain")
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics/", filtered)
+        async with test_utils.TestServer(app, host="127.0.0.1") as server:
+            b = VLLM(cfg16, "/m", "py")
+            b.base_url = str(server.make_url("")).rstrip("/")
+            async with make_session(b.base_url, 4, 30, 10) as s:
+                sample = await b.poll(s)
+        assert (sample.kv_usage, sample.running, sample.waiting, sample.preemptions_total) == (0.0, 0, 0, 13.0)
+        assert asked == ["vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                         "vllm:num_preemptions_total"]
+
+    asyncio.run(main())
+
+
+def counters_of(text: str) -> dict[str, float]:
+    """What VLLM.server_counters reads from one /metrics text (without a server)."""
+    async def main() -> dict[str, float]:
+        app = web.Application()
+
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(text=text, content_type="text/plain")
+
+        app.router.add_get("/metrics", metrics)
+        async with test_utils.TestServer(app, host="127.0.0.1") as server:
+            b = VLLM(make_cfg("fp16"), "/m", "py")
+            b.base_url = str(server.make_url("")).rstrip("/")
+            async with make_session(b.base_url, 4, 30, 10) as s:
+                return await b.server_counters(s)
+
+    return asyncio.run(main())

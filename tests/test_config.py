@@ -58,7 +58,8 @@ def test_reference_scenarios():
 
 def test_kv_names_map_per_backend():
     kvs = kv_choices()
-    assert kvs["fp16"].per_backend == {"llamacpp": "f16", "vllm": "auto", "ollama": "f16"}
+    assert kvs["fp16"].per_backend == {"llamacpp": "f16", "vllm": "float16", "ollama": "f16"}
+    assert kvs["bf16"].per_backend == {"llamacpp": "bf16", "vllm": "bfloat16"}
     assert kvs["fp8"].per_backend == {"vllm": "fp8"}
     assert kv_bytes_per_element(kvs["q8_0"].per_backend["llamacpp"]) == pytest.approx(34 / 32)
     assert kv_bytes_per_element(kvs["q4_0"].per_backend["llamacpp"]) == pytest.approx(18 / 32)
@@ -79,7 +80,7 @@ BAD = [
     (["backend.bogus=3"], "backend.bogus: unknown key"),
     (["kv=fp8"], "kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, q4_0, q8_0)"),
     (["backend=ollama", "kv=bf16"], "kv=bf16 is not available on backend=ollama (allowed for ollama: fp16, q4_0, q8_0)"),
-    (["backend=vllm", "kv=q8_0"], "kv=q8_0 is not available on backend=vllm (allowed for vllm: fp16, fp8)"),
+    (["backend=vllm", "kv=q8_0"], "kv=q8_0 is not available on backend=vllm (allowed for vllm: bf16, fp16, fp8)"),
     (["model=nope"], "model=nope: no such option; allowed values are"),
     (["scenario.requests=abc"], "scenario.requests: Value 'abc'"),
     (["scenario.concurrency=[0]"], "scenario.concurrency=[0]: every level must be an integer >= 1"),

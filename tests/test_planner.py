@@ -100,10 +100,11 @@ def test_preemption_thresholds_long_scenario():
     # engine capacity: 9878 // 272 = 36 and 17019 // 272 = 62, on the same side of 32 and 48
     assert planner.max_concurrency(ENGINE_TOKENS["auto"], 4352, 16) == 36
     assert planner.max_concurrency(ENGINE_TOKENS["fp8"], 4352, 16) == 62
-    # predicted usage: 48 x 272 blocks exceed the pool (measured 1.0); fp8 at 48: 13056/17881
+    # predicted usage: 48 x 272 blocks exceed the pool (measured 1.0); fp8 at 48: 13056/17880. vLLM's
+    # gauge is used / (blocks - 1): one block of the pool is its null block (block_pool.get_usage)
     assert fp16["levels"][1]["predicted_kv_usage"] == 1.0
-    assert fp8["levels"][1]["predicted_kv_usage"] == round(13056 / 17881, 4)
-    assert fp16["levels"][0]["predicted_kv_usage"] == round(32 * 272 / 8940, 4)
+    assert fp8["levels"][1]["predicted_kv_usage"] == round(13056 / 17880, 4)
+    assert fp16["levels"][0]["predicted_kv_usage"] == round(32 * 272 / 8939, 4)
 
 
 def test_block_granularity_rounds_a_request_up_to_whole_blocks():
@@ -163,10 +164,11 @@ def test_vllm_kv_cache_memory_bytes_matches_the_cpu_captures():
     plan = plan_job(tiny, "auto", VLLM, None, prompt_tokens=256, max_tokens=256, levels=[16],
                     block_size=128, kv_cache_memory_bytes=1 << 30)
     assert (plan["capacity_tokens"], plan["blocks"]) == (2097152, 16384)
-    # bf16 capture: 1 MiB and 16 requests of 512 tokens: 4 fit, the run preempted
+    # bf16 capture: 1 MiB = 16 blocks, one of them vLLM's null block; 16 requests of 512 tokens (4 blocks
+    # each): 15 // 4 = 3 fit (vLLM's own "4.00x" counts the null block), the run preempted
     small = plan_job(tiny, "auto", VLLM, None, prompt_tokens=256, max_tokens=256, levels=[16],
                      block_size=128, kv_cache_memory_bytes=1 << 20)
-    assert small["max_concurrency_before_preemption"] == 4
+    assert small["max_concurrency_before_preemption"] == 3
     assert small["levels"][0]["predicts_preemption"] is True
 
 

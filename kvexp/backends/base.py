@@ -267,4 +267,25 @@ class Adapter:
         return KVCacheInfo()
 
     async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
+        """One sample of the server's gauges (called every few tens of ms by telemetry.py)."""
         return TelemetrySample()
+
+    # ---- the server's own view of a level, beside the client's
+    server_timing_source: ClassVar[str] = "per-request timings"
+
+    def request_timing(self, timings: Optional[dict[str, float]],
+                       output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:
+        """One request's server-side figures as {tpot_s, prefill_s, cached_tokens} (None: not stated)."""
+        return None
+
+    async def server_counters(self, session: aiohttp.ClientSession) -> Optional[dict[str, float]]:
+        """Cumulative server counters and histogram sums, read before and after a level (None: none)."""
+        return None
+
+    def server_view(self, records: list[Any], before: Optional[dict[str, float]],
+                    after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
+        """What the server measured for a level's requests (stats.server_view_*); None: not exposed."""
+        from kvexp import stats
+
+        timings = [t for r in records if r.ok and (t := self.request_timing(r.server_timings, r.output_tokens))]
+        return stats.server_view_from_requests(timings, self.server_timing_source)

@@ -18,7 +18,7 @@ import aiohttp
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, highest_concurrency
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.planner import CacheModel
 
 KV_LINE = re.compile(
@@ -56,18 +56,33 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
     )
 
 
-def slots_usage(slots: list[dict[str, Any]]) -> Optional[float]:
-    """Fraction of the slots' context held by busy slots (prompt + decoded tokens)."""
-    total = sum(int(s.get("n_ctx") or 0) for s in slots)
+def slots_usage(slots: list[dict[str, Any]], unified: bool = False) -> Optional[float]:
+    """Fraction of the KV cache held by busy slots.
+
+    A slot's `n_prompt_tokens` is its token list, which holds every cell it fills: the prompt and each
+    token decoded so far (verified on the real server: during decoding it is prompt + n_decoded, or one
+    less between decodes; `tests/fixtures/llamacpp/slots_decoding_np4*.json`), so decoded tokens are not
+    added again. An idle slot keeps reporting its last count, so only `is_processing` slots count.
+    The cache is the sum of the slots' n_ctx, or with --kv-unified one stream that every slot reports
+    as its n_ctx."""
+    sizes = [int(s.get("n_ctx") or 0) for s in slots]
+    total = max(sizes, default=0) if unified else sum(sizes)
     if total <= 0:
         return None
-    used = 0
-    for s in slots:
-        if not s.get("is_processing"):
-            continue
-        decoded = sum(int(t.get("n_decoded") or 0) for t in s.get("next_token") or [])
-        used += int(s.get("n_prompt_tokens") or 0) + decoded
+    used = sum(int(s.get("n_prompt_tokens") or 0) for s in slots if s.get("is_processing"))
     return min(1.0, used / total)
+
+
+def exact_kv_bytes(cells: int, layers: int, n_embd_kv: int, k_type: str, v_type: str) -> Optional[int]:
+    """The KV cache's bytes from its cells: cells x layers x (K + V bytes per cell), each ggml block of
+    32 elements of q8_0/q4_0 stored with its scale (the server's log rounds this to 0.01 MiB)."""
+    from kvexp.planner import KV_BYTES_PER_ELEMENT
+
+    try:
+        per_cell = n_embd_kv * (KV_BYTES_PER_ELEMENT[k_type] + KV_BYTES_PER_ELEMENT[v_type])
+    except KeyError:
+        return None
+    return round(cells * layers * per_cell)
 
 
 class LlamaCpp(Adapter):
@@ -121,11 +136,11 @@ class LlamaCpp(Adapter):
 
     def _spec(self) -> ServerSpec:
         s, b = self.cfg.scenario, self.b
-        slots = b.parallel or highest_concurrency(s)
+        slots, slots_source = server_slots(s, b.parallel)
         unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
         # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)
         context = b.context or (1 if unified else slots) * (s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN)
-        sources = {"parallel": "backend.parallel" if b.parallel else "derived: highest concurrency level",
+        sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {'' if unified else 'parallel x '}(prompt + output + {CONTEXT_MARGIN})"}
         argv = None
@@ -179,6 +194,7 @@ class LlamaCpp(Adapter):
 
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         info = parse_kv_log(log_text) or KVCacheInfo()
+        self._exact_bytes(info, log_text)
         try:
             async with session.get(self.base_url + "/slots") as r:
                 if r.status == 200:
@@ -192,11 +208,45 @@ class LlamaCpp(Adapter):
             pass
         return info
 
+    server_timing_source = "llama-server's per-request timings"
+
+    def request_timing(self, timings: Optional[dict[str, float]],
+                       output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:
+        if not timings:
+            return None
+        tpot = timings.get("predicted_per_token_s")
+        n, decode = timings.get("predicted_n"), timings.get("predicted_s")
+        if tpot is None and n and n > 1 and decode is not None:
+            tpot = decode / (n - 1)
+        return {"tpot_s": tpot, "prefill_s": timings.get("prompt_s"), "cached_tokens": timings.get("cache_n")}
+
+    def _exact_bytes(self, info: KVCacheInfo, log_text: str) -> None:
+        """Replace the log's 0.01-MiB size by cells x layers x bytes per cell, with the KV width read
+        from the GGUF the server serves, when the two agree within the log's rounding."""
+        m = KV_LINE.findall(log_text)
+        if not m or not self.model_path or info.capacity_tokens is None or info.bytes is None:
+            return
+        from kvexp import modelinfo
+
+        try:
+            arch = modelinfo.arch_for(self.cfg.model, self.model_field, self.model_path)
+        except (OSError, ValueError):
+            return
+        if arch.n_kv_heads is None or arch.head_dim is None:
+            return
+        layers = int(m[-1][2])
+        exact = exact_kv_bytes(info.capacity_tokens, layers, int(arch.n_kv_heads * arch.head_dim),
+                               str(info.dtype_k), str(info.dtype_v))
+        if exact is not None and abs(exact - info.bytes) <= 0.005 * MIB + 1:
+            info.bytes = exact
+            info.source.append("bytes: cells x layers x KV bytes per cell (KV width from the GGUF); the log's "
+                               "MiB figure agrees to its 0.01 MiB")
+
     async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
         sample = TelemetrySample()
         async with session.get(self.base_url + "/slots") as r:
             if r.status == 200:
-                sample.kv_usage = slots_usage(await r.json())
+                sample.kv_usage = slots_usage(await r.json(), self.spec.unified_kv)
         async with session.get(self.base_url + "/metrics") as r:
             if r.status == 200:
                 m = parse_metrics(await r.text())

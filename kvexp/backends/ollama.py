@@ -31,7 +31,7 @@ import aiohttp
 
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, highest_concurrency
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.planner import CacheModel
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
@@ -274,9 +274,9 @@ class Ollama(Adapter):
         """The server's whole configuration is its environment: Ollama takes its port from OLLAMA_HOST
         (port 0: the configured backend.port, else none and the server's default 11434)."""
         s, b = self.cfg.scenario, self.b
-        slots = b.parallel or highest_concurrency(s)
+        slots, slots_source = server_slots(s, b.parallel)
         context = b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
-        sources = {"parallel": "backend.parallel" if b.parallel else "derived: highest concurrency level",
+        sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {PROMPT_SLACK:g} x prompt + output + {CONTEXT_PAD}"}
         env = {
@@ -347,6 +347,16 @@ class Ollama(Adapter):
 
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         return parse_server_log(log_text, self.kv_type)
+
+    server_timing_source = "Ollama's per-request durations (TPOT = eval_duration / eval_count)"
+
+    def request_timing(self, timings: Optional[dict[str, float]],
+                       output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:
+        if not timings:
+            return None
+        decode = timings.get("eval_s")
+        return {"tpot_s": decode / output_tokens if decode is not None and output_tokens else None,
+                "prefill_s": timings.get("prompt_eval_s"), "cached_tokens": None}
 
     async def loaded_models(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
         """/api/ps: each loaded model's name, size and size_vram (bytes; the server's own accounting

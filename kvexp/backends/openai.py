@@ -29,6 +29,10 @@ try:
 except ImportError:  # pragma: no cover - orjson is optional (the `fast` extra)
     _fast_loads = json.loads
 
+# llama-server's `timings` keys kept per request (ms become seconds): prefill and decode durations,
+# the server's TPOT (predicted_ms / (predicted_n - 1)), and its token counts (cache_n: prompt tokens
+# reused from the slot's cache).
+_TIMINGS = ("prompt_ms", "predicted_ms", "predicted_per_token_ms", "prompt_n", "predicted_n", "cache_n")
 _TOKEN_EVENTS: dict[str, StreamEvent] = {}  # plain token events by text (events are frozen)
 _TOKEN_EVENTS_MAX = 1 << 16
 
@@ -99,10 +103,10 @@ def _event(data: Any) -> StreamEvent:
     usage = data.get("usage") or {}
     timings = data.get("timings")
     server_timings = None
-    if isinstance(timings, dict):
+    if isinstance(timings, dict):  # llama-server's own timing of the request (ms and token counts)
         server_timings = {
-            k.replace("_ms", "_s"): float(v) / 1000.0
-            for k, v in timings.items() if k in ("prompt_ms", "predicted_ms") and v is not None
+            (k[:-3] + "_s" if k.endswith("_ms") else k): (float(v) / 1000.0 if k.endswith("_ms") else float(v))
+            for k, v in timings.items() if k in _TIMINGS and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
     prompt_tokens, output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if content and finish is None and server_timings is None and prompt_tokens is None and output_tokens is None:

