@@ -338,18 +338,21 @@ def _epoch_text(t: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- AIPerf
-def _metric(doc: dict, key: str, stat: str, time: bool = False) -> Optional[float]:
+def _metric(doc: dict, key: str, stat: str, time: Optional[str] = None) -> Optional[float]:
+    """One statistic of an AIPerf metric; with time="ms" or "s", converted from the metric's unit (a value
+    already in that unit is returned unchanged)."""
     m = doc.get(key)
     if not isinstance(m, dict):
         return None
     v = _num(m.get(stat))
-    if v is None or not time:
+    if v is None or time is None:
         return v
     scale = _TIME_UNITS.get(str(m.get("unit") or "ms"))
     if scale is None:
         raise ForeignFormatError(f"$.{key}.unit: {m.get('unit')!r} is not a time unit kvexp knows "
                                  f"({', '.join(_TIME_UNITS)})")
-    return v * scale
+    factor = scale if time == "ms" else scale / 1000.0
+    return v if factor == 1.0 else v * factor
 
 
 def aiperf_level(doc: dict, source: str) -> Level:
@@ -369,12 +372,11 @@ def aiperf_level(doc: dict, source: str) -> Level:
     for ours, theirs in (("ttft", "time_to_first_token"), ("tpot", "inter_token_latency"),
                          ("itl", "inter_chunk_latency"), ("e2e", "request_latency")):
         for p in ("p50", "p95", "p99"):
-            lv[f"{ours}_{p}_ms"] = _metric(doc, theirs, p, time=True)
+            lv[f"{ours}_{p}_ms"] = _metric(doc, theirs, p, time="ms")
     lv["throughput_tok_s"] = _metric(doc, "output_token_throughput", "avg")
     lv["request_rate"] = _metric(doc, "request_throughput", "avg")
     lv["goodput_req_s"] = _metric(doc, "goodput", "avg")
-    dur = _metric(doc, "benchmark_duration", "avg", time=True)
-    lv["wall_s"] = None if dur is None else dur / 1000.0
+    lv["wall_s"] = _metric(doc, "benchmark_duration", "avg", time="s")
     lv["mean_prompt_tokens"] = _metric(doc, "input_sequence_length", "avg")
     lv["mean_output_tokens"] = _metric(doc, "output_sequence_length", "avg")
     total = _metric(doc, "total_osl", "avg")
