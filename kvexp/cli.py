@@ -4,6 +4,7 @@
     python -m kvexp resume DIR                                 finish an interrupted sweep or run
     python -m kvexp validate FILE...                           check result files against the schema
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
+    python -m kvexp results PATH... [--csv OUT]                one row per level, comparison.csv's columns
     python -m kvexp plan [overrides]                           KV-capacity planner table
     python -m kvexp install llamacpp|vllm                      one-time builds / installs
 """
@@ -439,15 +440,47 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from kvexp import calibration
+    from kvexp import calibration, helptext
     from kvexp.summary import plan_table
 
+    if helptext.wants_help(argv):
+        print(helptext.plan_help())
+        return 0
     try:
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
     except ConfigError as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
     print(plan_table(cfgs, calibration.load()))
+    return 0
+
+
+def cmd_results(argv: list[str]) -> int:
+    from kvexp.report import csv_text
+    from kvexp.results import ResultError, collect
+
+    ap = _Parser(prog="kvexp results", description="Every level of any mix of result files (kvexp sweeps, jobs, "
+                 "result files, the reference document, vLLM bench serve / GuideLLM / AIPerf files) as CSV, one "
+                 "row per level, with comparison.csv's columns.")
+    ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
+    ap.add_argument("--csv", type=Path, default=None, help="write the CSV here (default: standard output)")
+    args = ap.parse_args(argv)
+    try:
+        text = csv_text(collect(args.paths))
+    except ResultError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    if args.csv is None:
+        sys.stdout.write(text)
+        return 0
+    from kvexp.paths import atomic_write
+
+    try:
+        atomic_write(args.csv, text)
+    except OSError as e:
+        print(f"kvexp: --csv {args.csv}: cannot write: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"csv: {args.csv}")
     return 0
 
 
@@ -470,7 +503,7 @@ def _stamp() -> str:
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
-    "resume": cmd_resume,
+    "resume": cmd_resume, "results": cmd_results,
 }
 
 
@@ -478,6 +511,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
+    if "--version" in argv:
+        from kvexp import __version__
+
+        print(f"kvexp {__version__}")
+        return 0
+    from kvexp import helptext
+
+    if helptext.wants_help(argv):
+        print(helptext.main_help())
+        return 0
     return run_experiment(argv)
 
 

@@ -436,7 +436,8 @@ def preemption_onset(scenario: str, run: dict, plan: Optional["RunPlan"] = None)
 
 
 def not_exposed(runs: Iterable[dict]) -> Optional[Finding]:
-    hidden = [r for r in runs if r.get("levels") and not exposes(r, "peak_kv_cache_usage")]
+    # Runs from another tool's file say what that tool does not record in their own section.
+    hidden = [r for r in runs if r.get("levels") and not exposes(r, "peak_kv_cache_usage") and not r.get("tool")]
     if not hidden:
         return None
     backends = sorted({backend_name(r.get("backend")) for r in hidden})

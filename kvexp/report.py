@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("md", "html", "pdf")
 NOT_EXPOSED = "not exposed"
+NOT_RECORDED = "not recorded"  # a figure another benchmark tool's file does not hold
 
 
 class ReportError(RuntimeError):
@@ -230,13 +231,22 @@ def level_cell(run: dict, level: dict, key: str) -> str:
         return F.format_value("n", v)
     failed = level.get("status") == "failed" or F.run_status(run) in ("failed", "skipped")
     if v is None and key in F.EXPOSURE_KEYS and not failed and not F.exposes(run, key):
-        return NOT_EXPOSED
+        return NOT_RECORDED if run.get("tool") else NOT_EXPOSED
     return F.format_value(key, v)
 
 
+def device_text(aggregate: dict) -> Optional[str]:
+    """The GPU(s) of the runs; "CPU only: <model>" when no run had a GPU and the environment names the
+    CPU; None when neither is known."""
+    gpus = _uniq([aggregate.get("gpu"), *(r.get("gpu") for r in aggregate.get("runs") or [])])
+    if gpus:
+        return ", ".join(map(str, gpus))
+    cpu = (aggregate.get("environment") or {}).get("cpu") if isinstance(aggregate.get("environment"), dict) else None
+    return f"CPU only: {cpu}" if cpu else None
+
+
 def default_title(aggregate: dict) -> str:
-    gpu = aggregate.get("gpu") or _uniq(r.get("gpu") for r in aggregate.get("runs") or [])
-    gpu = gpu if isinstance(gpu, str) else ", ".join(gpu) or "unknown GPU"
+    gpu = device_text(aggregate) or "unknown GPU"
     models = _uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [])
     what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
     return f"kvexp comparison — {gpu} — {what}"
@@ -279,7 +289,7 @@ def _setup_view(agg: dict) -> dict:
     gpus = _uniq([gpu, *(r.get("gpu") for r in runs)])
     facts: list[tuple[str, str]] = []
     gib = agg.get("gpu_gib")
-    facts.append(("GPU", ", ".join(map(str, gpus)) or "—"))
+    facts.append(("GPU", device_text(agg) or "—"))
     facts.append(("GPU memory", f"{F.format_value('gpu_gib', gib)} GiB" if F.is_num(gib) else "—"))
     facts.append(("Models", ", ".join(map(str, _uniq(r.get("model") for r in runs))) or "—"))
     backends = _uniq(r.get("backend") for r in runs)
@@ -305,17 +315,19 @@ def _setup_view(agg: dict) -> dict:
     backend_table = Table(["Backend", "Version", "Runs"], backend_rows, [False, False, True])
 
     run_rows = []
+    any_tool = any(r.get("tool") for r in runs)
     for r in runs:
         kv = F.kv_name(r)
         reused = r.get("reused_server")
         run_rows.append([
-            str(r.get("label")), F.backend_name(r.get("backend")), str(r.get("backend_version") or "—"),
+            str(r.get("label")), tool_name(r) if any_tool else "—", F.backend_name(r.get("backend")),
+            str(r.get("backend_version") or "—"),
             str(r.get("model") or "—"), str(r.get("scenario") or "—"), kv.display, _output_length(r),
             F.run_status(r), str(r.get("started_at") or "—"),
             "—" if reused is None else ("reused" if reused else "launched"),
         ])
-    run_table = drop_empty(Table(["Run", "Backend", "Version", "Model", "Scenario", "KV", "Output length", "Status",
-                                  "Started", "Server"], run_rows, kind="wide"))
+    run_table = drop_empty(Table(["Run", "Measured by", "Backend", "Version", "Model", "Scenario", "KV",
+                                  "Output length", "Status", "Started", "Server"], run_rows, kind="wide"))
 
     kv_rows = []
     for r in runs:
@@ -365,8 +377,32 @@ def _setup_view(agg: dict) -> dict:
             launches.append({"label": str(r.get("label")), "command": text,
                              "reused": bool(r.get("reused_server"))})
     return {"facts": facts, "environment": env_table, "backends": backend_table, "runs": run_table,
+            "foreign": _foreign_view(runs),
             "kv": kv_table, "kv_unreported": kv_unreported, "scenarios": scen_table, "launches": launches,
             "kv_label_note": any(F.kv_name(r).source == "label" for r in runs)}
+
+
+def tool_name(run: dict) -> str:
+    """Which tool measured a run: kvexp, or the other benchmark tool (with its version) whose file it came from."""
+    if not run.get("tool"):
+        return "kvexp"
+    return f"{run['tool']} {run['tool_version']}" if run.get("tool_version") else str(run["tool"])
+
+
+def _foreign_view(runs: list[dict]) -> list[dict]:
+    """Per tool: its runs, their files, what it does not record and how its definitions differ."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        if not r.get("tool"):
+            continue
+        t = out.setdefault(str(r["tool"]), {"tool": str(r["tool"]), "rows": [], "notes": [], "not_recorded": []})
+        t["rows"].append([str(r.get("label")), tool_name(r), str(r.get("source") or "—")])
+        t["notes"] += [n for n in r.get("tool_notes") or [] if n not in t["notes"]]
+        t["not_recorded"] += [k for k in r.get("not_recorded") or [] if k not in t["not_recorded"]]
+    for t in out.values():
+        t["table"] = Table(["Run", "Tool", "Files"], t.pop("rows"), kind="wide")
+        t["not_recorded"] = ", ".join(t["not_recorded"])
+    return list(out.values())
 
 
 def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]
@@ -706,6 +742,7 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "warnings": [w.message for w in warnings],
         "failures": failures,
         "not_exposed": NOT_EXPOSED,
+        "not_recorded": NOT_RECORDED,
     }
 
 
@@ -736,11 +773,12 @@ def validate_aggregate(doc: dict) -> None:
 
 def write_csv(aggregate: dict, path: Path) -> Path:
     """One row per run and level; runs without levels get one row with empty level columns."""
-    runs = list(aggregate.get("runs") or [])
-    extra = sorted({k for r in runs for lv in r.get("levels") or [] for k in lv} - set(CSV_LEVEL_KEYS))
-    present = {k for r in runs for lv in r.get("levels") or [] for k in lv}
-    level_keys = [k for k in CSV_LEVEL_KEYS if k in present or k in _ALWAYS] + extra
-    head = ["label", "backend", "model", "scenario", "kv_dtype", "kv_dtype_source", "run_status", *level_keys]
+    return atomic_write(path, csv_text(aggregate))
+
+
+def csv_text(aggregate: dict) -> str:
+    """comparison.csv's text: level_table with empty cells for missing values, JSON for lists and objects."""
+    head, rows = level_table(aggregate)
 
     def cell(v: Any) -> Any:
         if v is None:
@@ -754,14 +792,30 @@ def write_csv(aggregate: dict, path: Path) -> Path:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(head)
+    for row in rows:
+        w.writerow([cell(v) for v in row])
+    return buf.getvalue()
+
+
+def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
+    """comparison.csv as values: its column names and one row per run and level (None where missing).
+    A `tool` column (kvexp or the benchmark tool that measured the run) is there when a run came from
+    another tool's file."""
+    runs = list(aggregate.get("runs") or [])
+    extra = sorted({k for r in runs for lv in r.get("levels") or [] for k in lv} - set(CSV_LEVEL_KEYS))
+    present = {k for r in runs for lv in r.get("levels") or [] for k in lv}
+    level_keys = [k for k in CSV_LEVEL_KEYS if k in present or k in _ALWAYS] + extra
+    tools = any(r.get("tool") for r in runs)
+    head = ["label", *(["tool"] if tools else []), "backend", "model", "scenario", "kv_dtype", "kv_dtype_source",
+            "run_status", *level_keys]
+    rows = []
     for r in runs:
         kv = F.kv_name(r)
-        base = [r.get("label"), r.get("backend"), r.get("model"), r.get("scenario"), kv.name, kv.source,
-                F.run_status(r)]
-        levels = r.get("levels") or [{}]
-        for lv in levels:
-            w.writerow([cell(v) for v in base] + [cell(lv.get(k)) for k in level_keys])
-    return atomic_write(path, buf.getvalue())
+        base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
+                r.get("scenario"), kv.name, kv.source, F.run_status(r)]
+        for lv in r.get("levels") or [{}]:
+            rows.append(base + [lv.get(k) for k in level_keys])
+    return head, rows
 
 
 def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,

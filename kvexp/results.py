@@ -85,9 +85,39 @@ def load_json(path: Path) -> Any:
         raise ResultError(f"{path}: not JSON ({e})") from None
 
 
-def load_document(path: Path) -> tuple[str, dict[str, Any]]:
-    """A result or aggregate file, checked: (kind, document)."""
-    doc = load_json(path)
+def json_lines(path: Path) -> list[Any] | None:
+    """A file of one JSON object per line (what `vllm bench serve --append-result` writes), or None when
+    the file is not that."""
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        docs = [json.loads(ln) for ln in lines]
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return docs if len(docs) > 1 and all(isinstance(d, dict) for d in docs) else None
+
+
+def load_any(path: Path) -> tuple[str, Any]:
+    """Any file kvexp reads: ("result" | "aggregate", the checked document), or ("foreign", the parsed
+    JSON) for another tool's result recognised by its shape (kvexp.foreign). A file of no known shape is
+    refused with one line saying what was expected."""
+    from kvexp import foreign
+
+    try:
+        doc = load_json(path)
+    except ResultError:
+        doc = json_lines(path)
+        if doc is None or foreign.sniff(doc) is None:
+            raise
+    if foreign.sniff(doc) is not None:
+        return "foreign", doc
+    if not foreign.looks_like_kvexp(doc):
+        raise ResultError(f"{path}: unknown shape: {foreign.EXPECTED}")
+    return load_document(path, doc)
+
+
+def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
+    """A result or aggregate file, checked: (kind, document). `doc`: the file already parsed."""
+    doc = load_json(path) if doc is None else doc
     if not isinstance(doc, dict):
         raise ResultError(f"{path}: $: expected a JSON object, found {type(doc).__name__}")
     version = doc.get("schema_version")
@@ -147,11 +177,14 @@ def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:
 
 
 def find_results(paths: Iterable[Path]) -> list[Path]:
+    """Result files named on the command line, and those in folders: every result.json, and every other
+    JSON file outside kvexp's job folders that another tool wrote (recognised by its shape)."""
     out: list[Path] = []
     for p in paths:
         p = Path(p)
         if p.is_dir():
             found = sorted(p.rglob(RESULT_FILE))
+            found += foreign_files(p, {f.parent for f in found})
             if not found:
                 raise ResultError(f"{p}: no {RESULT_FILE} found in this folder")
             out += found
@@ -159,6 +192,23 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
             out.append(p)
         else:
             raise ResultError(f"{p}: no such file or folder")
+    return out
+
+
+def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
+    """Other tools' result files in a folder tree, outside kvexp's job folders and their reports."""
+    from kvexp import foreign
+
+    out = []
+    for f in sorted(folder.rglob("*.json")):
+        if f.name in (RESULT_FILE, "sweep.json", "comparison.json") or any(d in f.parents for d in job_dirs):
+            continue
+        try:
+            doc = load_json(f)
+        except ResultError:
+            doc = json_lines(f)
+        if foreign.sniff(doc) is not None:
+            out.append(f)
     return out
 
 
@@ -198,19 +248,25 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
     planner = None
     results: list[dict[str, Any]] = []
     gpu, gpu_gib, environment_ = None, None, None
+    foreign_levels: list[Any] = []
     for path in find_results(paths):
-        kind, doc = load_document(path)
-        if kind == "aggregate":
+        kind, doc = load_any(path)
+        if kind == "foreign":
+            foreign_levels += _foreign_levels(path, doc)
+        elif kind == "aggregate":
             runs += doc["runs"]
             calibration += doc.get("calibration") or []
             planner = planner or doc.get("planner")
             gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
+            environment_ = environment_ or doc.get("environment")
         else:
             results.append(doc)
             runs.append(run_of(doc, str(path)))
             environment_ = environment_ or doc.get("environment")
             gpu = gpu or doc["gpu"].get("name")
             gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
+    if foreign_levels:
+        runs += _foreign_runs(foreign_levels, runs)
     if results:
         calibration += _calibration_rows(results)
     agg = {
@@ -235,3 +291,30 @@ def _calibration_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     except ImportError:
         return []
     return calibration_rows(results)
+
+
+def _foreign_levels(path: Path, doc: Any) -> list[Any]:
+    from kvexp import foreign
+
+    try:
+        return foreign.levels_of(doc, str(path))
+    except foreign.ForeignFormatError as e:
+        raise ResultError(f"{path}: {e}") from None
+
+
+def _foreign_runs(levels: list[Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Other tools' levels as runs, each joining the scenario of kvexp's runs with the same prompt and
+    output length, with a label no other run has."""
+    from kvexp import foreign
+
+    try:
+        new = foreign.runs_of(levels)
+    except foreign.ForeignFormatError as e:
+        raise ResultError(str(e)) from None
+    taken = {r["label"] for r in runs}
+    for r in foreign.join_scenarios(new, runs):
+        label, n = r["label"], 2
+        while r["label"] in taken:
+            r["label"], n = f"{label} ({n})", n + 1
+        taken.add(r["label"])
+    return new

@@ -78,13 +78,42 @@ def check_file(path: Path) -> list[str]:
                 continue
             out += [f"{path}:{n}: {m}" for m in errors_of(doc, "request")]
         return out
+    from kvexp import foreign
+
     try:
         doc = json.loads(text)
     except ValueError as e:
-        return [f"{path}: not JSON: {e}"]
+        doc = _json_lines(text)
+        if foreign.sniff(doc) is None:
+            return [f"{path}: not JSON: {e}"]
+    if foreign.sniff(doc) is not None:
+        return [f"{path}: {m}" for m in foreign_errors(doc, str(path))]
+    if not foreign.looks_like_kvexp(doc):
+        return [f"{path}: unknown shape: {foreign.EXPECTED}"]
     kind = kind_of(doc)
     version = doc.get("schema_version") if isinstance(doc, dict) else None
     if isinstance(version, int) and version > SCHEMA_VERSION:
         return [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
                 f"({SCHEMA_VERSION}); upgrade kvexp"]
     return [f"{path}: {m}" for m in errors_of(doc, kind)]
+
+
+def _json_lines(text: str) -> Any:
+    """One JSON object per line (`vllm bench serve --append-result`), else None."""
+    try:
+        docs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    except ValueError:
+        return None
+    return docs if len(docs) > 1 else None
+
+
+def foreign_errors(doc: Any, source: str) -> list[str]:
+    """Why another tool's file cannot be mapped to kvexp's levels, or its mapping breaks the aggregate
+    schema; [] when it maps cleanly."""
+    from kvexp import foreign
+
+    try:
+        runs = foreign.runs_of(foreign.levels_of(doc, source))
+    except foreign.ForeignFormatError as e:
+        return [str(e)]
+    return errors_of({"gpu": None, "gpu_gib": None, "runs": runs}, "aggregate")
