@@ -69,6 +69,9 @@ def one_line_error(e: BaseException) -> str:
     text = str(cause).strip()
     first = text.splitlines()[0] if text else type(cause).__name__
     full = getattr(cause, "full_key", None)
+    m = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", first)
+    if m and full:  # an enum field (config.py): the same shape as every other refused value
+        return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
     m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
     if m:
         schema = getattr(schemas, m.group(2), None)
