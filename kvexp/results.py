@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 from kvexp import __version__, machine
 from kvexp.paths import atomic_write
-from kvexp.validate import SCHEMA_VERSION, ValidationFailed, errors_of, kind_of, validate_document
+from kvexp.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json, read_bounded,
+                            validate_document)
 
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
@@ -70,7 +71,9 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], kind: str = "request
 
 def load_json(path: Path) -> Any:
     try:
-        text = Path(path).read_text()
+        text = read_bounded(Path(path)).decode("utf-8")
+    except FileRefused as e:
+        raise ResultError(str(e)) from None
     except FileNotFoundError:
         raise ResultError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -80,7 +83,7 @@ def load_json(path: Path) -> Any:
     except UnicodeDecodeError:
         raise ResultError(f"{path}: not JSON (not UTF-8 text)") from None
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError as e:
         raise ResultError(f"{path}: not JSON ({e})") from None
 
