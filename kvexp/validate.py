@@ -210,12 +210,11 @@ def _check_jsonl(path: Path) -> list[str]:
                     return out + [f"{path}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB; not a kvexp file"]
                 if not raw.strip():
                     continue
-                if not raw.endswith(b"\n"):
-                    out.append(f"{path}:{n}: the last line is cut short (no newline at its end)")
                 try:
                     doc = parse_json(raw.decode("utf-8"))
                 except (ValueError, UnicodeDecodeError) as e:
-                    out.append(f"{path}:{n}: not JSON: {e}")
+                    cut = not raw.endswith(b"\n")
+                    out.append(f"{path}:{n}: not JSON: {e}" + (" (the last line, cut short)" if cut else ""))
                     continue
                 out += [f"{path}:{n}: {m}" for m in errors_of(doc, "request")]
     except OSError as e:
