@@ -105,6 +105,18 @@ def compose(overrides: list[str]) -> ExperimentConfig:
     return to_experiment(node)
 
 
+def default_folder(overrides: list[str], multirun: bool) -> Path:
+    """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        return Path(str(OmegaConf.select(node, "hydra.sweep.dir" if multirun else "hydra.run.dir")))
+
+
 def to_experiment(node: Any) -> ExperimentConfig:
     node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
     return OmegaConf.to_object(node)
@@ -158,10 +170,14 @@ def run_experiment(argv: list[str]) -> int:
                 raise ConfigError(f"{stray[0]}: neither a command ({', '.join(SUBCOMMANDS)}) nor an override "
                                   "key=value")
             kvs = kv_choices()
-            for _, cfg in compose_all(overrides):
+            jobs = compose_all(overrides)
+            for _, cfg in jobs:
                 if check(cfg, kvs) is None:
                     server_program(cfg)
                     auth_headers(cfg)
+            from kvexp import preflight
+
+            argv = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], "-m" in argv or "--multirun" in argv))
         except ConfigError as e:
             print(f"kvexp: {e}", file=sys.stderr)
             return 1
@@ -181,6 +197,9 @@ def run_experiment(argv: list[str]) -> int:
         print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
         return 128 + signal.Signals[name]
     finally:
+        from kvexp.preflight import unlock_all
+
+        unlock_all()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if _FAILED:

@@ -35,6 +35,23 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def spec_of(cfg: Any) -> dict[str, Any]:
+    """A job's resolved config as results record it: what it measures, without where it writes, whether
+    it resumed, or the name of the variable holding an API key (none of these differ between runs of
+    one spec)."""
+    from kvexp.config import to_plain
+
+    plain = to_plain(cfg)
+    plain.pop("output_dir", None)
+    plain.pop("resume", None)
+    plain["backend"].pop("api_key_env", None)
+    return plain
+
+
+def spec_hash(cfg: Any) -> str:
+    return config_hash(spec_of(cfg))
+
+
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Best-effort facts about where a run happened."""
     import aiohttp

@@ -21,11 +21,11 @@ import aiohttp
 from kvexp import prompts, stats
 from kvexp.backends.base import Backend, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
-from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label, to_plain
+from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
-                           level_value, previous_result, utc_now, write_json, write_jsonl)
+                           level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
@@ -195,10 +195,7 @@ class Job:
 
 
 def new_result(cfg: ExperimentConfig, backend_name: str, variable_length: bool) -> dict[str, Any]:
-    plain = to_plain(cfg)
-    plain.pop("output_dir", None)  # neither differs between runs of the same spec
-    plain.pop("resume", None)
-    plain["backend"].pop("api_key_env", None)
+    plain = spec_of(cfg)
     gi = gpu_info(cfg.gpu.index)
     s = cfg.scenario
     return {
