@@ -6,6 +6,7 @@
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
     python -m kvexp plan [overrides]                           KV-capacity planner table
     python -m kvexp install llamacpp|vllm                      one-time builds / installs
+    python -m kvexp cleanup                                    stop servers a killed kvexp left running
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ def run_experiment(argv: list[str]) -> int:
     _RESUME_DIR.clear()
     handlers = process.raise_on_signals()
     try:
+        from kvexp import launched
+
+        launched.report_leftovers()
         try:
             from kvexp.runner import auth_headers, server_program
 
@@ -194,7 +198,10 @@ def run_experiment(argv: list[str]) -> int:
         name = str(e) or "SIGINT"
         hint = (f"resume with: python -m kvexp resume {shlex.quote(str(_RESUME_DIR[-1]))}" if _RESUME_DIR
                 else "no job had started")
-        print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        try:
+            print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal may be gone
+            pass
         return 128 + signal.Signals[name]
     finally:
         from kvexp.preflight import unlock_all
@@ -436,6 +443,29 @@ def cmd_install(argv: list[str]) -> int:
     return 0
 
 
+def cmd_cleanup(argv: list[str]) -> int:
+    from kvexp import launched
+
+    ap = _Parser(prog="kvexp cleanup", description="Stop the servers a kvexp that has ended left running "
+                 "(found from kvexp's record of the servers it launched).")
+    ap.add_argument("--dry-run", action="store_true", help="only list them")
+    args = ap.parse_args(argv)
+    found = launched.leftovers()
+    if not found:
+        print("kvexp cleanup: no server left running by an ended kvexp")
+        return 0
+    failed = 0
+    for r in found:
+        if args.dry_run:
+            print(f"kvexp cleanup: left running: {r.describe()}")
+        elif launched.stop(r):
+            print(f"kvexp cleanup: stopped {r.describe()}")
+        else:
+            failed += 1
+            print(f"kvexp cleanup: could not stop {r.describe()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _stamp() -> str:
     from datetime import datetime
 
@@ -444,7 +474,7 @@ def _stamp() -> str:
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
-    "resume": cmd_resume,
+    "resume": cmd_resume, "cleanup": cmd_cleanup,
 }
 
 
