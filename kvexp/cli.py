@@ -241,6 +241,10 @@ def _task(node: Any) -> None:
             result = run_job(cfg, out_dir, observer)
         write_job_summary(result, out_dir)
         log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+        levels = result.get("levels") or []
+        if result["status"] == "failed" or (levels and all(lv["status"] == "failed" for lv in levels)):
+            _FAILED.append(label)  # nothing usable was measured: the run exits non-zero
+            log.error("%s: nothing usable was measured: %s", label, result.get("status_reason") or result["status"])
     except Exception as e:
         if not _is_known(e):
             raise  # a bug in kvexp: keep the traceback

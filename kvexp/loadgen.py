@@ -163,6 +163,7 @@ class LoadGenerator:
         if not getattr(streamer, "stream_keepalive", True):
             self.headers["Connection"] = "close"
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
+        self.reads = 0  # response reads so far on this event loop
         weakref.finalize(self, _close_pools, self._pools)
 
     def now(self) -> float:
@@ -198,6 +199,7 @@ class LoadGenerator:
                     rest = b""
                     while True:
                         chunk = await read()
+                        self.reads += 1  # the server watch's sign of life (kvexp/watch.py)
                         if not chunk:
                             lines = [rest] if rest else []
                         else:

@@ -24,6 +24,7 @@ from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
+from kvexp.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
 
@@ -368,6 +369,7 @@ async def _measure(job: Job, backend: Backend, server: Optional[_Server], observ
                     _check_alive(server)
                     summary = await _run_level(job, backend, session, lg, maker, sampler, kind, value, repeat, observer)
                     job.add_level(summary)
+                    raise_if_hung(summary)
             _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
         finally:
@@ -474,17 +476,23 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
     if observer:
         observer.level_started(value, s.requests, repeat)
     poller.start()
+    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
+                        [lambda: lg.reads, process_tree_writes(sampler.pid)])
+    hung = None
     try:
         if kind == "concurrency":
-            run = await lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
+            level_run = lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
         else:
             offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
-            run = await lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
+            level_run = lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
                                      max_start_rate=s.max_start_rate, options=options)
+        run = await watch.guard(level_run)
+    except ServerHung as e:
+        hung, run = str(e), hung_level_run(reqs, str(e))
     finally:
         await poller.stop()
     records = run.records
-    after = await TelemetryPoller(backend, session).sample()
+    after = None if hung else await TelemetryPoller(backend, session).sample()  # a hung server would not answer
     mem = sampler.window()
     write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
 
@@ -513,7 +521,9 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
         level["scheduled_rate"] = stats.start_rate(records, scheduled=True)
     limits = stats.client_limits(run.loop_lag_p99_ms, summary["itl_p50_ms"], run.cpu_util)
     level["client_limited"] = bool(limits)
-    if level["requests"] and level["errors"] / level["requests"] > s.max_error_rate:
+    if hung:
+        level["status"], level["status_reason"] = "failed", hung
+    elif level["requests"] and level["errors"] / level["requests"] > s.max_error_rate:
         level["status"] = "failed"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["errors_by_kind"].items()))
         first = next((r.error for r in records if r.error), "")
