@@ -76,14 +76,28 @@ def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], kind: str = "request") -> None:
-    """Append rows (validated) to a JSONL file; each flush ends with a whole line."""
+    """Append rows (validated) to a JSONL file, all or none: when the write fails (a full disk, a quota)
+    the file is cut back to its length before, so it never ends in a cut line and the space the failed
+    write took is free again for the result file that records why."""
     lines = []
     for row in rows:
         validate_document(row, kind, where=str(path))
         lines.append(json.dumps(row, allow_nan=False))
-    if lines:
-        with open(path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    if not lines:
+        return
+    data = ("\n".join(lines) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            os.ftruncate(fd, before)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def load_json(path: Path) -> Any:

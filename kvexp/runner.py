@@ -21,6 +21,7 @@ import aiohttp
 from kvexp import prompts, stats
 from kvexp.backends.base import Backend, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
+from kvexp.paths import SpaceReserve
 from kvexp.config import ConfigError, ExperimentConfig, highest_concurrency, job_label
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
@@ -253,6 +254,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     res["model"]["path"] = getattr(backend, "model_path", None)
     log_path = out_dir / "server.log"
     server: Optional[_Server] = None
+    reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:
         if cfg.backend.endpoint:
@@ -284,6 +286,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             res["backend"]["log_tail"] = tail(log_path, 20)
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
+        reserve.release()
         job.save()
         if server is not None and res["status"] != "complete":
             pool.release()
@@ -319,6 +322,8 @@ def _reason(e: BaseException, server: Optional[_Server], measured: int) -> str:
     if gone:
         return f"{gone} after {measured} level(s); its last lines are in backend.log_tail"
     text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, OSError) and e.strerror:  # e.g. a full disk while writing a result
+        return f"cannot write {e.filename}: {e.strerror}" if e.filename else f"OS error: {e.strerror}"
     return text if isinstance(e, (BackendError, ConfigError)) else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
