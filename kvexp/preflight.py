@@ -168,8 +168,10 @@ def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], E
     folder = Path(given.strip("'\"")).expanduser() if given else default_folder
     folder = folder if folder.is_absolute() else Path.cwd() / folder
     resume = any(cfg.resume for _, cfg in jobs)
-    if folder.is_dir() and resume:
-        check_resume(folder, multirun, overrides, jobs, argv)
+    if folder.is_dir():
+        lock(folder)  # first: while another kvexp writes here, nothing else about the folder is settled
+        if resume:
+            check_resume(folder, multirun, overrides, jobs, argv)
     ensure_writable(folder)
     lock(folder)
     if not resume:

@@ -127,9 +127,10 @@ def errors_of(doc: Any, kind: str) -> list[str]:
     return structure + [f"{json_path(e)}: {e.message}" for e in errs] + semantic_errors(doc, kind)
 
 
-def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> bytes:
+def read_bounded(path: Path, limit: int | None = None) -> bytes:
     """A regular file's bytes, at most `limit`: FileRefused for a device, FIFO or folder (`/dev/zero`
     would be read for ever) or a larger file; OSError as the system raises it."""
+    limit = MAX_FILE_BYTES if limit is None else limit
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(21, "Is a directory", str(path))
