@@ -159,10 +159,22 @@ def check_resume(folder: Path, multirun: bool, overrides: list[str],
                       f"python -m kvexp {' '.join(shlex.quote(a) for a in fresh)}")
 
 
+def check_model_file(cfg: ExperimentConfig) -> None:
+    """A GGUF path that names no file is refused now, not once the job's folder exists (the runner
+    checks it again when it resolves the model)."""
+    gguf = cfg.model.gguf
+    if cfg.backend.endpoint or cfg.backend.name != "llamacpp" or not gguf or gguf == "@tiny":
+        return
+    if not Path(gguf).expanduser().is_file():
+        raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+
+
 def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]],
             default_folder: Path) -> list[str]:
     """Check and hold the run's or sweep's folder; returns the overrides to hand Hydra (with the folder
     pinned, so that the folder held is the folder Hydra writes)."""
+    for _, cfg in jobs:
+        check_model_file(cfg)
     multirun = "-m" in argv or "--multirun" in argv
     given = dir_override(overrides, multirun)
     folder = Path(given.strip("'\"")).expanduser() if given else default_folder

@@ -417,3 +417,9 @@ def test_cleanup_stops_a_server_whose_kvexp_is_gone(tmp_path, monkeypatch, capsy
     finally:
         if orphan.poll() is None:
             orphan.kill()
+
+
+def test_a_missing_model_file_is_refused_before_the_folder_is_made(tmp_path, capsys):
+    assert kvexp_main("model=qwen2.5-7b", "model.gguf=/nonexistent.gguf", f"hydra.run.dir={tmp_path}/run") == 1
+    assert capsys.readouterr().err == "kvexp: model.gguf='/nonexistent.gguf': no such GGUF file for model=qwen2.5-7b\n"
+    assert not (tmp_path / "run").exists()
