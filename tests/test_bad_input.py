@@ -108,7 +108,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
                                                               "backend.api_key_env=KVEXP_TEST_UNSET_KEY"],
      "kvexp: backend.api_key_env=KVEXP_TEST_UNSET_KEY: that environment variable is not set"),
     ("run: a misspelt command", lambda d, g: ["valdate", str(d)],
-     "kvexp: valdate: neither a command (validate, report, plan, install, resume) nor an override key=value"),
+     "kvexp: valdate: neither a command (validate, report, plan, install, resume, cleanup) nor an override key=value"),
     ("install: an unknown server", lambda d, g: ["install", "tgi"],
      "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm')"),
 ]
