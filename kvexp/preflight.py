@@ -23,6 +23,7 @@ from kvexp.config import ConfigError, ExperimentConfig, job_label
 from kvexp.results import RESULT_FILE, ResultError, load_document, spec_hash
 
 DIR_KEYS = ("hydra.sweep.dir", "hydra.run.dir")
+NO_RUN_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 _HELD: dict[Path, int] = {}  # folders this process holds: path -> open descriptor
 
 
@@ -175,6 +176,8 @@ def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], E
     pinned, so that the folder held is the folder Hydra writes)."""
     for _, cfg in jobs:
         check_model_file(cfg)
+    if any(a.split("=", 1)[0] in NO_RUN_FLAGS for a in argv):
+        return list(argv)  # Hydra only prints (help, the config): no folder is made or held
     multirun = "-m" in argv or "--multirun" in argv
     given = dir_override(overrides, multirun)
     folder = Path(given.strip("'\"")).expanduser() if given else default_folder
