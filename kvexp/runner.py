@@ -475,14 +475,14 @@ async def _run_level(job: Job, backend: Backend, session: aiohttp.ClientSession,
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)
-    before = await TelemetryPoller(backend, session).sample()
+    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
+                        [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
+    before = await watch.sample(TelemetryPoller(backend, session).sample())
     poller = TelemetryPoller(backend, session)
     sampler.window()
     if observer:
         observer.level_started(value, s.requests, repeat)
     poller.start()
-    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
-                        [lambda: lg.reads, process_tree_writes(sampler.pid)])
     hung = None
     try:
         if kind == "concurrency":

@@ -56,6 +56,16 @@ class ServerWatch:
         self.stall_s = stall_s
         self.activity = activity  # each returns a value that changes whenever bytes flow
         self.reason: Optional[str] = None
+        self._seen = self._signature()
+        self._last = time.monotonic()  # the quiet window runs from here, across sample() and guard()
+
+    async def sample(self, probe: Awaitable[T]) -> Optional[T]:
+        """A telemetry read before the level, given PROBE_TIMEOUT_S at most: a hung server must not
+        hold the level back for a whole stall timeout before the watch even starts."""
+        try:
+            return await asyncio.wait_for(probe, PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
 
     async def _answers(self) -> bool:
         try:
@@ -77,19 +87,17 @@ class ServerWatch:
 
     async def _watch(self) -> None:
         """Returns once the server is hung (self.reason says how)."""
-        seen = self._signature()
-        last = time.monotonic()
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
             now_sig = self._signature()
-            if now_sig != seen:
-                seen, last = now_sig, time.monotonic()
+            if now_sig != self._seen:
+                self._seen, self._last = now_sig, time.monotonic()
                 continue
-            quiet = time.monotonic() - last
+            quiet = time.monotonic() - self._last
             if quiet < self.stall_s:
                 continue
             if await self._answers():
-                last = time.monotonic()  # slow, not hung: a fresh window
+                self._last = time.monotonic()  # slow, not hung: a fresh window
                 continue
             self.reason = (f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
                            f"{self.stall_s:g}) and {self.health_path} did not answer within {PROBE_TIMEOUT_S:g} s")

@@ -89,10 +89,11 @@ def test_no_server_outlives_kvexp(llama_server, tmp_path, sig):
     assert check_file(tmp_path / "run" / "requests.jsonl") == []
 
 
-def test_a_hung_server_ends_its_level_within_the_stall_timeout(llama_server, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2], ids=["own-loop", "2-worker-processes"])
+def test_a_hung_server_ends_its_level_within_the_stall_timeout(llama_server, tmp_path, workers):
     stall = 5.0
     run = Run("scenario.requests=3000", "scenario.concurrency=[2]", f"scenario.stall_timeout_s={stall:g}",
-              f"hydra.run.dir={tmp_path}/run")
+              f"client.workers={workers}", f"hydra.run.dir={tmp_path}/run")
     try:
         run.wait_for("level 2: 3000 requests")
         server = run.server()
