@@ -100,6 +100,30 @@ def scoped_ids(svg: str, scope: str) -> str:
     return re.sub(r'(href="|url\()#([^")]+)', lambda m: f"{m.group(1)}#{scope}-{m.group(2)}", svg)
 
 
+_STYLED_TAG = re.compile(r'<([A-Za-z][\w:-]*)((?:\s[^<>]*?)?)\sstyle="([^"]*)"([^<>]*?)(/?)>')
+
+
+def presentation_attributes(svg: str) -> str:
+    """matplotlib writes an SVG element's look as a CSS `style` attribute (style="fill: none; stroke:
+    ..."). WeasyPrint parses the style of every element of an inline SVG as HTML CSS, where `fill`,
+    `stroke` and friends are unknown properties, and logs one warning per declaration (hundreds per
+    report), though its SVG renderer then applies them. Written as SVG presentation attributes
+    (fill="none" stroke="..."), they mean the same to every SVG renderer and nothing is ignored."""
+    def one(m: re.Match) -> str:
+        tag, before, style, after, close = m.groups()
+        attrs = before + after
+        for decl in style.split(";"):
+            key, sep, value = decl.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep or not re.fullmatch(r"[a-z-]+", key):
+                continue
+            # a declaration in style wins over an attribute of the same name, as in CSS
+            attrs = re.sub(rf'\s{key}="[^"]*"', "", attrs)
+            attrs += f' {key}="{value}"'
+        return f"<{tag}{attrs}{close}>"
+    return _STYLED_TAG.sub(one, svg)
+
+
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
           svg: bool) -> tuple[Optional[str], Optional[str]]:
     svg_text = png_rel = None
@@ -108,7 +132,7 @@ def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
             text = buf.getvalue()
-            svg_text = scoped_ids(text[text.find("<svg"):], name)
+            svg_text = presentation_attributes(scoped_ids(text[text.find("<svg"):], name))
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             fig.savefig(out_dir / f"{name}.png", format="png", dpi=PNG_DPI)

@@ -7,6 +7,7 @@
     python -m kvexp results PATH... [--csv OUT]                one row per level, comparison.csv's columns
     python -m kvexp plan [overrides]                           KV-capacity planner table
     python -m kvexp install llamacpp|vllm                      one-time builds / installs
+    python -m kvexp cleanup                                    stop servers a killed kvexp left running
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def one_line_error(e: BaseException) -> str:
     text = str(cause).strip()
     first = text.splitlines()[0] if text else type(cause).__name__
     full = getattr(cause, "full_key", None)
+    m = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", first)
+    if m and full:  # an enum field (config.py): the same shape as every other refused value
+        return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
     m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
     if m:
         schema = getattr(schemas, m.group(2), None)
@@ -106,21 +110,16 @@ def compose(overrides: list[str]) -> ExperimentConfig:
     return to_experiment(node)
 
 
-def output_folder(overrides: list[str], multirun: bool) -> Path:
-    """The folder Hydra will write this run (or sweep) to, resolved now: its ${now:...} is fixed here
-    and passed to Hydra as hydra.run.dir / hydra.sweep.dir, so kvexp knows where results go before
-    any job starts (for the resume hint and the exit status) without asking Hydra's callbacks."""
+def default_folder(overrides: list[str], multirun: bool) -> Path:
+    """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    setup_hydra()
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
-        first = sweep_overrides(overrides)[0]
-        node = hydra_compose(config_name="config", overrides=first, return_hydra_config=True)
-    return Path(str(OmegaConf.select(node, key)))
+        node = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        return Path(str(OmegaConf.select(node, "hydra.sweep.dir" if multirun else "hydra.run.dir")))
 
 
 def to_experiment(node: Any) -> ExperimentConfig:
@@ -180,6 +179,9 @@ def run_experiment(argv: list[str]) -> int:
     handlers = process.raise_on_signals()
     sweep: Optional[_Sweep] = None
     try:
+        from kvexp import launched
+
+        launched.report_leftovers()
         try:
             from kvexp import backends
             from kvexp.runner import auth_headers
@@ -189,37 +191,43 @@ def run_experiment(argv: list[str]) -> int:
                 raise ConfigError(f"{stray[0]}: neither a command ({', '.join(SUBCOMMANDS)}) nor an override "
                                   "key=value")
             kvs = kv_choices()
-            for _, cfg in compose_all(overrides):
+            jobs = compose_all(overrides)
+            for _, cfg in jobs:
                 if check(cfg, kvs) is None:
                     if not cfg.backend.endpoint:
                         backends.adapter_class(cfg.backend.name).locate_program(cfg)
                     auth_headers(cfg)
-            dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-            pinned = next((a for a in overrides if a.lstrip("+").startswith(dir_key + "=")), None)
-            folder = Path(_override_value(pinned)) if pinned else output_folder(overrides, multirun)
+            from kvexp import preflight
+
+            argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
         except ConfigError as e:
             print(f"kvexp: {e}", file=sys.stderr)
             return 1
-        sweep = _Sweep(folder=folder.resolve(), multirun=multirun, pool=ServerPool())
+        sweep = _Sweep(folder=folder or Path.cwd(), multirun=multirun, pool=ServerPool())
         import hydra
 
         @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
         def app(node: Any) -> None:
             _task(node, sweep, kvs)
 
-        extra = [] if pinned else [f"{dir_key}={_hydra_value(str(folder))}"]
-        sys.argv = [sys.argv[0], *argv, *extra]
+        sys.argv = [sys.argv[0], *argv]
         app()
     except KeyboardInterrupt as e:
         process.stop_all()
         name = str(e) or "SIGINT"
         hint = (f"resume with: python -m kvexp resume {shlex.quote(str(sweep.folder))}" if sweep
                 else "no job had started")
-        print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        try:
+            print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal may be gone
+            pass
         return 128 + signal.Signals[name]
     finally:
         if sweep is not None:
             sweep.pool.release()
+        from kvexp.preflight import unlock_all
+
+        unlock_all()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     failed = _failed_jobs(sweep)
@@ -227,19 +235,6 @@ def run_experiment(argv: list[str]) -> int:
         print(f"kvexp: {len(failed)} job(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
-
-
-def _override_value(override: str) -> str:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return str(OverridesParser.create().parse_overrides([override])[0].value())
-
-
-def _hydra_value(text: str) -> str:
-    """A value quoted for a Hydra override when it holds characters the override grammar reads."""
-    if re.fullmatch(r"[\w./-]+", text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _failed_jobs(sweep: _Sweep) -> list[str]:
@@ -281,6 +276,10 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
             result = run_job(cfg, out_dir, observer, sweep.pool)
         write_job_summary(result, out_dir)
         log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+        levels = result.get("levels") or []
+        if result["status"] == "failed" or (levels and all(lv["status"] == "failed" for lv in levels)):
+            sweep.failed.append(label)  # nothing usable was measured: the run exits non-zero
+            log.error("%s: nothing usable was measured: %s", label, result.get("status_reason") or result["status"])
     except Exception as e:
         if not _is_known(e):
             raise  # a bug in kvexp: keep the traceback
@@ -376,7 +375,9 @@ def resume_args(folder: Path) -> list[str]:
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
     kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
-    return (["-m"] if multirun else []) + kept + [f"{dir_key}={_hydra_value(str(folder.resolve()))}", "resume=true"]
+    from kvexp.preflight import quote_path
+
+    return (["-m"] if multirun else []) + kept + [f"{dir_key}={quote_path(folder.resolve())}", "resume=true"]
 
 
 def cmd_resume(argv: list[str]) -> int:
@@ -495,6 +496,29 @@ def cmd_install(argv: list[str]) -> int:
     return 0
 
 
+def cmd_cleanup(argv: list[str]) -> int:
+    from kvexp import launched
+
+    ap = _Parser(prog="kvexp cleanup", description="Stop the servers a kvexp that has ended left running "
+                 "(found from kvexp's record of the servers it launched).")
+    ap.add_argument("--dry-run", action="store_true", help="only list them")
+    args = ap.parse_args(argv)
+    found = launched.leftovers()
+    if not found:
+        print("kvexp cleanup: no server left running by an ended kvexp")
+        return 0
+    failed = 0
+    for r in found:
+        if args.dry_run:
+            print(f"kvexp cleanup: left running: {r.describe()}")
+        elif launched.stop(r):
+            print(f"kvexp cleanup: stopped {r.describe()}")
+        else:
+            failed += 1
+            print(f"kvexp cleanup: could not stop {r.describe()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _stamp() -> str:
     from datetime import datetime
 
@@ -503,7 +527,7 @@ def _stamp() -> str:
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
-    "resume": cmd_resume, "results": cmd_results,
+    "resume": cmd_resume, "results": cmd_results, "cleanup": cmd_cleanup,
 }
 
 

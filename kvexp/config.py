@@ -5,13 +5,53 @@ converts the result with OmegaConf.to_object and everything below it receives th
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from omegaconf import MISSING
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the key and what is allowed."""
+
+
+# Closed sets of values are enums: OmegaConf refuses any other value at compose time, naming the key
+# and the allowed values. They are str enums, so they compare, format and serialise as their value.
+class FlashAttn(StrEnum):
+    on = "on"
+    off = "off"
+    auto = "auto"
+
+
+class Api(StrEnum):
+    completions = "completions"
+    chat = "chat"
+
+
+class Arrival(StrEnum):
+    constant = "constant"
+    poisson = "poisson"
+
+
+class Unsupported(StrEnum):
+    error = "error"
+    skip = "skip"
+
+
+class EventLoop(StrEnum):
+    auto = "auto"
+    asyncio = "asyncio"
+    uvloop = "uvloop"
+
+
+# Upper bounds of what one job can sensibly ask: beyond them a value is a typo, not an experiment.
+MAX_STREAMS = 4096  # concurrent requests of a level (each is a socket and a server slot)
+MAX_TOKENS = 1 << 20  # prompt or output tokens of one request
+MAX_REQUESTS = 1_000_000  # requests per level
+MAX_RATE = 100_000.0  # requests per second of an open-loop level
 
 
 @dataclass
@@ -68,7 +108,7 @@ class ScenarioConfig:
     concurrency: list[int] = field(default_factory=list)
     # Open-loop levels (requests/s); used instead of concurrency when non-empty.
     rates: list[float] = field(default_factory=list)
-    arrival: str = "constant"  # constant | poisson (open loop only)
+    arrival: Arrival = Arrival.constant  # open loop only
     max_concurrency: Optional[int] = None  # cap on in-flight requests for open-loop levels
     # Cap on request starts per second, open and closed loop (asyncio-throttle), e.g. for a shared
     # endpoint; a request held back waits on the client (client_queue_*). None: no cap.
@@ -76,7 +116,7 @@ class ScenarioConfig:
     requests: int = MISSING  # measured requests per level
     warmup_requests: int = 1
     repeats: int = 1
-    api: str = "completions"  # completions | chat
+    api: Api = Api.completions
     request_timeout_s: float = 600.0
     stall_timeout_s: float = 120.0  # no bytes for this long: the request is a timeout
     seed: int = 0
@@ -97,7 +137,7 @@ class ClientConfig:
     workers: Any = "auto"
     # Event loop of worker processes: auto (uvloop when installed), asyncio or uvloop. uvloop with
     # workers=1 starts one worker process, since the job's own loop is asyncio.
-    event_loop: str = "auto"
+    event_loop: EventLoop = EventLoop.auto
 
 
 def highest_concurrency(s: "ScenarioConfig") -> int:
@@ -144,7 +184,7 @@ class ExperimentConfig:
     gpu: GPUConfig = field(default_factory=GPUConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     # What to do with a backend/kv pair that cannot run: error (stop at start) or skip (record why).
-    unsupported: str = "error"
+    unsupported: Unsupported = Unsupported.error
     resume: bool = False
     output_dir: str = "."  # set by Hydra to the job folder
     label: Optional[str] = None
@@ -196,10 +236,138 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.max_start_rate is None or s.max_start_rate > 0,
              f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
     check_client(cfg.client)
+    check_known_keys(cfg)
+    check_ranges(cfg)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
     _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
              f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
+
+
+def check_known_keys(obj: Any, path: str = "") -> None:
+    """Refuse keys no schema declares. Hydra's `+key=value` adds a key even to a structured config,
+    and OmegaConf.to_object sets such a key as a plain attribute of the dataclass it builds; nothing
+    reads it, so a typo like `+scenario.max_token=64` would run with the default unnoticed."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj):
+        return
+    fields = {f.name for f in dataclasses.fields(obj)}
+    extra = sorted(k for k in vars(obj) if k not in fields and not k.startswith("_"))
+    _require(not extra, f"{path}{extra[0] if extra else ''}: unknown key; allowed keys are {', '.join(sorted(fields))}")
+    for name in sorted(fields):
+        check_known_keys(getattr(obj, name), f"{path}{name}.")
+
+
+def _in(key: str, value: Any, lo: float, hi: float | None = None, *, low_open: bool = False,
+        null: str | None = None) -> None:
+    """value within [lo, hi] ((lo, hi] with low_open); None allowed when `null` says what it means."""
+    if value is None and null is not None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (value > lo if low_open else value >= lo) and (hi is None or value <= hi)
+    lo_s = f"> {_num(lo)}" if low_open else f">= {_num(lo)}"
+    allowed = f"{lo_s} and <= {_num(hi)}" if hi is not None else lo_s
+    _require(ok, f"{key}={value}: must be {allowed}" + (f" (or null: {null})" if null else ""))
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+
+def check_host(key: str, host: str) -> None:
+    """An IP address literal or a DNS name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    name_ok = bool(host) and len(host) <= 253 and not re.fullmatch(r"[0-9.]+", host) and all(
+        re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in host.rstrip(".").split("."))
+    _require(name_ok, f"{key}={host!r}: not an IP address or host name (e.g. 127.0.0.1, ::1, localhost)")
+
+
+def check_endpoint(key: str, url: str) -> None:
+    parts = urlsplit(url)
+    _require(parts.scheme in ("http", "https") and bool(parts.hostname),
+             f"{key}={url!r}: must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    _require(port is None or 1 <= port <= 65535, f"{key}={url!r}: the port must be in 1..65535")
+    check_host(key, parts.hostname or "")
+
+
+def check_ranges(cfg: ExperimentConfig) -> None:
+    """Every number within the range that can run, every address well-formed: refused at compose
+    time with the key and the allowed range, instead of failing when the server or a socket refuses."""
+    b, s, g, m = cfg.backend, cfg.scenario, cfg.gpu, cfg.model
+    _in("backend.port", b.port, 1, 65535, null="a free port")
+    check_host("backend.host", b.host)
+    if b.endpoint is not None:
+        check_endpoint("backend.endpoint", b.endpoint)
+    _in("backend.ready_timeout_s", b.ready_timeout_s, 0, low_open=True)
+    _in("backend.stop_grace_s", b.stop_grace_s, 0, 3600)
+    _in("backend.parallel", b.parallel, 1, MAX_STREAMS, null="the backend's default")
+    _in("backend.context", b.context, 1, 1 << 24, null="derived from the scenario")
+    for key in ("threads", "block_size", "kv_cache_memory_bytes"):
+        if hasattr(b, key):
+            _in(f"backend.{key}", getattr(b, key), 1, null="the backend's default")
+    if hasattr(b, "n_gpu_layers"):
+        _in("backend.n_gpu_layers", b.n_gpu_layers, -1, null="the backend's default")
+    if hasattr(b, "gpu_memory_utilization"):
+        _in("backend.gpu_memory_utilization", b.gpu_memory_utilization, 0, 1, low_open=True,
+            null="the backend's default")
+    _in("gpu.memory_gib", g.memory_gib, 0, 1 << 20, low_open=True, null="read from NVML")
+    _in("gpu.index", g.index, 0, 1023)
+    _in("gpu.sample_interval_s", g.sample_interval_s, 0.001, 60)
+    for key in ("n_layers", "n_kv_heads", "head_dim"):
+        _in(f"model.{key}", getattr(m, key), 1, null="read from the model files")
+    for key in ("params_b", "weights_gib", "weight_bits"):
+        _in(f"model.{key}", getattr(m, key), 0, low_open=True, null="read from the model files")
+    _require(not (s.concurrency and s.rates),
+             f"scenario.concurrency={list(s.concurrency)} and scenario.rates={list(s.rates)} are both set: give one "
+             "(for rates, add scenario.concurrency=[])")
+    _require(all(1 <= c <= MAX_STREAMS for c in s.concurrency),
+             f"scenario.concurrency={list(s.concurrency)}: every level must be an integer in 1..{MAX_STREAMS:,}")
+    _require(all(0 < r <= MAX_RATE for r in s.rates),
+             f"scenario.rates={list(s.rates)}: every rate must be > 0 and <= {_num(MAX_RATE)} requests/s")
+    _in("scenario.max_concurrency", s.max_concurrency, 1, MAX_STREAMS, null="no cap")
+    _in("scenario.prompt_tokens", s.prompt_tokens, 1, MAX_TOKENS)
+    _in("scenario.max_tokens", s.max_tokens, 1, MAX_TOKENS)
+    _in("scenario.requests", s.requests, 1, MAX_REQUESTS)
+    _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_REQUESTS)
+    _in("scenario.repeats", s.repeats, 1, 1000)
+    _in("scenario.request_timeout_s", s.request_timeout_s, 0, low_open=True)
+    _in("scenario.stall_timeout_s", s.stall_timeout_s, 0, low_open=True)
+    _in("scenario.slo_ttft_ms", s.slo_ttft_ms, 0, low_open=True, null="no TTFT objective")
+    _in("scenario.slo_tpot_ms", s.slo_tpot_ms, 0, low_open=True, null="no TPOT objective")
+    check_fits_context(cfg)
+
+
+def check_fits_context(cfg: ExperimentConfig) -> None:
+    """A request must fit the context each sequence gets, or every request of every level fails with
+    HTTP 400. The context per sequence is the adapter's (llama.cpp splits -c over its slots, vLLM and
+    Ollama give each sequence the whole context)."""
+    from kvexp.backends import adapter_class
+
+    b, s = cfg.backend, cfg.scenario
+    if b.context is None or b.endpoint is not None:
+        return
+    try:
+        spec = adapter_class(b.name)(cfg, None, None).spec
+    except ConfigError:
+        return  # the config has another problem, reported on its own
+    per_seq = spec.context_per_seq_tokens
+    if per_seq is None:
+        return
+    need = s.prompt_tokens + s.max_tokens
+    slots = spec.slots or 1
+    split = per_seq < (spec.context_tokens or per_seq)
+    where = f"backend.context={b.context}" + (f" over {slots} slots (backend.parallel)" if split else "")
+    _require(need <= per_seq, f"scenario.prompt_tokens + scenario.max_tokens = {need} tokens do not fit the "
+             f"{per_seq} tokens per sequence of {where}: raise backend.context or shorten the scenario")
 
 
 def check_client(c: ClientConfig) -> None:

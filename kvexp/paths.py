@@ -27,7 +27,37 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None  # named by the file meant, not the temporary one
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+RESERVE_BYTES = 64 << 10  # room for a job's last result.json write (its levels, status, log tail)
+
+
+class SpaceReserve:
+    """A small file of real blocks kept in a job folder while the job runs and removed just before its
+    last result is written: when the disk fills mid-job, that write still finds room to record why
+    the job failed. A folder that cannot hold it simply runs without one."""
+
+    def __init__(self, folder: Path, size: int = RESERVE_BYTES):
+        self.path: Path | None = folder / ".kvexp-reserve"
+        try:
+            with open(self.path, "wb") as f:
+                f.write(b"\0" * size)  # written, not a sparse truncate: the blocks must be taken now
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self.release()
+
+    def release(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.path = None

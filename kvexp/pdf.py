@@ -18,8 +18,9 @@ import multiprocessing
 import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from kvexp import machine
 from kvexp.paths import atomic_write
@@ -42,14 +43,44 @@ class PDFUnavailable(RuntimeError):
 def weasyprint() -> Any:
     """The weasyprint module, or PDFUnavailable with the one line saying what to install."""
     try:
-        import weasyprint as wp  # noqa: PLC0415 (loads Pango through cffi: may fail with OSError)
+        with library_log(None):  # importing it parses its own stylesheets, with a progress line each
+            import weasyprint as wp  # noqa: PLC0415 (loads Pango through cffi: may fail with OSError)
     except (OSError, ImportError) as e:
         why = " ".join(str(e).split())[:160]
         raise PDFUnavailable(f"PDF not written: WeasyPrint cannot load ({why}); install its system libraries "
                              f"with `{PANGO_HINT}` and the package with `pip install weasyprint`") from e
-    for noisy in ("weasyprint", "fontTools"):  # hundreds of INFO lines per PDF otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     return wp
+
+
+NOISY_LOGGERS = ("weasyprint", "weasyprint.progress", "fontTools")
+LOG_NAME = "report.log"
+
+
+@contextmanager
+def library_log(path: Optional[Path]) -> Iterator[None]:
+    """While a PDF is laid out, WeasyPrint's and fontTools' messages (progress, ignored CSS, font
+    subsetting) go to `path` (the report's log file), never to the terminal; with no path, nowhere."""
+    handler: logging.Handler = logging.NullHandler()
+    if path is not None:
+        try:
+            handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # made at the first message
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        except OSError:
+            pass
+    saved = []
+    for name in NOISY_LOGGERS:
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.propagate, lg.level))
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, propagate, level in saved:
+            lg.removeHandler(handler)
+            lg.propagate, lg.level = propagate, level
+        handler.close()
 
 
 def support() -> Optional[str]:
@@ -66,9 +97,11 @@ def _start_method() -> str:
     return "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def render(html: str, base_url: Optional[str]) -> bytes:
+def render(html: str, base_url: Optional[str], log_path: Optional[Path] = None) -> bytes:
     """One HTML document to PDF bytes (also the worker's task: a top-level function pickles)."""
-    return weasyprint().HTML(string=html, base_url=base_url).write_pdf()
+    wp = weasyprint()
+    with library_log(log_path):
+        return wp.HTML(string=html, base_url=base_url).write_pdf()
 
 
 def split(html: str, parts: int) -> tuple[str, list[str], str]:
@@ -95,31 +128,32 @@ def write(html: str, path: Path, base_url: Optional[Path] = None, workers: Optio
     per CPU, up to MAX_WORKERS, for a document of at least PARALLEL_MIN_TAGS tags; 1: one process)."""
     weasyprint()
     base = str(base_url or path.parent)
+    log_path = path.parent / LOG_NAME
     if workers is None:
         workers = min(machine.usable_cpus(), MAX_WORKERS) if html.count("<") >= PARALLEL_MIN_TAGS else 1
     data = None
     if workers > 1 and PART_MARK in html:
         try:
-            data = _render_parallel(html, base, workers)
+            data = _render_parallel(html, base, workers, log_path)
         except Exception as e:  # noqa: BLE001 (a worker died or pypdf failed: the plain path still works)
             log.warning("parallel PDF layout failed (%s); laying it out in one process", " ".join(str(e).split()))
     if data is None:
-        data = render(html, base)
+        data = render(html, base, log_path)
     return atomic_write(path, data)
 
 
-def _render_parallel(html: str, base: str, workers: int) -> bytes:
+def _render_parallel(html: str, base: str, workers: int, log_path: Optional[Path] = None) -> bytes:
     import pypdf  # noqa: PLC0415 (only large reports need it)
 
     head, bodies, tail = split(html, workers)
     if len(bodies) < 2:
-        return render(html, base)
+        return render(html, base, log_path)
     docs = [head.replace("</head>", f"{_NO_FOOTER}</head>", 1) + b + tail for b in bodies]
     # this process lays out the first part while the others start and lay out the rest
     ctx = multiprocessing.get_context(_start_method())
     with ProcessPoolExecutor(max_workers=len(docs) - 1, mp_context=ctx) as pool:
-        futures = [pool.submit(render, d, base) for d in docs[1:]]
-        parts = [render(docs[0], base)] + [f.result() for f in futures]
+        futures = [pool.submit(render, d, base, log_path) for d in docs[1:]]
+        parts = [render(docs[0], base, log_path)] + [f.result() for f in futures]
     writer = pypdf.PdfWriter()
     readers = [pypdf.PdfReader(io.BytesIO(p)) for p in parts]
     root = None
@@ -135,7 +169,7 @@ def _render_parallel(html: str, base: str, workers: int) -> bytes:
     # one empty page per page of the joined document
     title = re.search(r"<h1\b.*?</h1>", html, re.S)
     footers = render(head.replace("</head>", f"{_FOOTER_ONLY}</head>", 1) + (title.group(0) if title else "")
-                     + '<div style="break-before: page"></div>' * (n - 1) + tail, base)
+                     + '<div style="break-before: page"></div>' * (n - 1) + tail, base, log_path)
     stamps = pypdf.PdfReader(io.BytesIO(footers)).pages
     if len(stamps) != n:
         raise RuntimeError(f"footer pages {len(stamps)} != document pages {n}")

@@ -30,6 +30,7 @@ from markupsafe import Markup
 from kvexp import charts as C
 from kvexp import findings as F
 from kvexp import pdf
+from kvexp.markdown import md_code, md_escape
 from kvexp.paths import atomic_write
 from kvexp.planner import kv_bytes_per_token
 
@@ -165,27 +166,11 @@ def templates_dir() -> Path:
     raise ReportError(f"report templates not found in any of {', '.join(map(str, dirs))}")
 
 
-_MD_SPECIAL = re.compile(r"([\\`*|<>\[\]])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
-
-
-def md_escape(value: Any) -> str:
-    """Text safe inside a Markdown table cell or paragraph: one line, `|` and markup characters escaped."""
-    s = " ".join(str(value).split())
-    return _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), s)
-
-
 def md_table(t: Table) -> str:
     head = "| " + " | ".join(md_escape(h) for h in t.headers) + " |"
     rule = "|" + "|".join("---:" if n else "---" for n in t.numeric) + "|"
     body = ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in t.rows]
     return "\n".join([head, rule, *body])
-
-
-def md_code(text: str, lang: str = "") -> str:
-    """A fenced block whose fence is longer than any backtick run inside."""
-    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
 def _slug(s: str) -> str:

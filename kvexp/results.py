@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 from kvexp import __version__, machine
 from kvexp.paths import atomic_write
-from kvexp.validate import SCHEMA_VERSION, ValidationFailed, errors_of, kind_of, validate_document
+from kvexp.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json, read_bounded,
+                            validate_document)
 
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
@@ -32,6 +33,23 @@ def utc_now() -> str:
 
 def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec_of(cfg: Any) -> dict[str, Any]:
+    """A job's resolved config as results record it: what it measures, without where it writes, whether
+    it resumed, or the name of the variable holding an API key (none of these differ between runs of
+    one spec)."""
+    from kvexp.config import to_plain
+
+    plain = to_plain(cfg)
+    plain.pop("output_dir", None)
+    plain.pop("resume", None)
+    plain["backend"].pop("api_key_env", None)
+    return plain
+
+
+def spec_hash(cfg: Any) -> str:
+    return config_hash(spec_of(cfg))
 
 
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -58,19 +76,35 @@ def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], kind: str = "request") -> None:
-    """Append rows (validated) to a JSONL file; each flush ends with a whole line."""
+    """Append rows (validated) to a JSONL file, all or none: when the write fails (a full disk, a quota)
+    the file is cut back to its length before, so it never ends in a cut line and the space the failed
+    write took is free again for the result file that records why."""
     lines = []
     for row in rows:
         validate_document(row, kind, where=str(path))
         lines.append(json.dumps(row, allow_nan=False))
-    if lines:
-        with open(path, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    if not lines:
+        return
+    data = ("\n".join(lines) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            os.ftruncate(fd, before)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def load_json(path: Path) -> Any:
     try:
-        text = Path(path).read_text()
+        text = read_bounded(Path(path)).decode("utf-8")
+    except FileRefused as e:
+        raise ResultError(str(e)) from None
     except FileNotFoundError:
         raise ResultError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -80,7 +114,7 @@ def load_json(path: Path) -> Any:
     except UnicodeDecodeError:
         raise ResultError(f"{path}: not JSON (not UTF-8 text)") from None
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError as e:
         raise ResultError(f"{path}: not JSON ({e})") from None
 

@@ -20,14 +20,16 @@ import aiohttp
 from kvexp import backends, prompts, stats
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
-from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label, to_plain
+from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
+from kvexp.paths import SpaceReserve
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.levels import Level, level_warnings
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
-from kvexp.telemetry import TelemetrySampler
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
-                           level_value, previous_result, utc_now, write_json, write_jsonl)
+                           level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
+from kvexp.telemetry import TelemetrySampler
 from kvexp.validate import SCHEMA_VERSION
+from kvexp.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
@@ -132,10 +134,7 @@ class Job:
 
 def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, Any]:
     """A job's result before anything is measured (backend None: a job that was not run)."""
-    plain = to_plain(cfg)
-    plain.pop("output_dir", None)  # neither differs between runs of the same spec
-    plain.pop("resume", None)
-    plain["backend"].pop("api_key_env", None)
+    plain = spec_of(cfg)
     gi = gpu_info(cfg.gpu.index)
     s = cfg.scenario
     return {
@@ -196,6 +195,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     res = job.result
     log_path = out_dir / "server.log"
     server: Optional[_Server] = None
+    reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:
         if cfg.backend.endpoint:
@@ -227,6 +227,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             res["backend"]["log_tail"] = tail(log_path, 20)
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
+        reserve.release()
         job.save()
         if server is not None and (own_pool or res["status"] != "complete"):
             pool.release()
@@ -262,6 +263,8 @@ def _reason(e: BaseException, server: Optional[_Server], measured: int) -> str:
     if gone:
         return f"{gone} after {measured} level(s); its last lines are in backend.log_tail"
     text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, OSError) and e.strerror:  # e.g. a full disk while writing a result
+        return f"cannot write {e.filename}: {e.strerror}" if e.filename else f"OS error: {e.strerror}"
     return text if isinstance(e, (BackendError, ConfigError)) else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
@@ -313,6 +316,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
                     job.add_level(summary)
+                    raise_if_hung(summary)
             _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
         finally:
@@ -380,22 +384,30 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)
-    counters_before = await backend.server_counters(session)
-    before = await _sample(backend, session)
+    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
+                        [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
+    counters_before = await watch.sample(backend.server_counters(session))
+    before = await watch.sample(_sample(backend, session))
     sampler.window()
     gauges.window()
     if observer:
         observer.level_started(value, s.requests, repeat)
-    if kind == "concurrency":
-        run = await lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
-    else:
-        offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
-        run = await lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
-                                 max_start_rate=s.max_start_rate, options=options)
+    hung = None
+    try:
+        if kind == "concurrency":
+            level_run = lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
+        else:
+            offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
+            level_run = lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
+                                     max_start_rate=s.max_start_rate, options=options)
+        run = await watch.guard(level_run)
+    except ServerHung as e:
+        hung, run = str(e), hung_level_run(reqs, str(e))
     records = run.records
     seen = gauges.window()
-    after = await _sample(backend, session)
-    counters_after = await backend.server_counters(session)
+    # a hung server would not answer
+    after = None if hung else await _sample(backend, session)
+    counters_after = None if hung else await backend.server_counters(session)
     mem = sampler.window()
     write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
 
@@ -430,7 +442,9 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     bursts = bool(level.delivery["bursts"])
     limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
     level.client_limited = bool(limits)
-    if level.requests and level.errors / level.requests > s.max_error_rate:
+    if hung:
+        level.status, level.status_reason = "failed", hung
+    elif level.requests and level.errors / level.requests > s.max_error_rate:
         level.status = "failed"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(level.errors_by_kind.items()))
         first = next((r.error for r in records if r.error), "")

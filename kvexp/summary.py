@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional
 import jinja2
 
 from kvexp.config import ConfigError, ExperimentConfig
+from kvexp.markdown import md_code, md_escape
 from kvexp.paths import data_dir
 from kvexp.results import RESULT_FILE, ResultError, collect, load_document, write_json
 from kvexp.stats import UNSTABLE_CV
@@ -50,7 +51,7 @@ def cell(level: dict[str, Any], key: str) -> str:
         return "not exposed" if key in NOT_EXPOSED else "—"
     if isinstance(v, float):
         return f"{v:g}"
-    return str(v).replace("|", "\\|")
+    return md_escape(v)
 
 
 def _env() -> jinja2.Environment:
@@ -58,7 +59,8 @@ def _env() -> jinja2.Environment:
                              autoescape=False, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters["cell"] = cell
-    env.filters["md"] = lambda v: "—" if v is None else str(v).replace("|", "\\|")
+    env.filters["md"] = lambda v: "—" if v is None else md_escape(v)
+    env.filters["md_code"] = md_code
     env.filters["rep"] = repeat_cell
     env.filters["seconds"] = lambda v: "—" if v is None else f"{v:.1f}"
     env.globals.update(columns_for=columns_for, repeat_columns=REPEAT_COLUMNS, unstable_cv=UNSTABLE_CV)

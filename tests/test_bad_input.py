@@ -108,7 +108,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
                                                               "backend.api_key_env=KVEXP_TEST_UNSET_KEY"],
      "kvexp: backend.api_key_env=KVEXP_TEST_UNSET_KEY: that environment variable is not set"),
     ("run: a misspelt command", lambda d, g: ["valdate", str(d)],
-     "kvexp: valdate: neither a command (validate, report, plan, install, resume, results) nor an override key=value"),
+     "kvexp: valdate: neither a command (validate, report, plan, install, resume, results, cleanup) nor an override key=value"),
     ("install: an unknown server", lambda d, g: ["install", "tgi"],
      "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm')"),
 ]
@@ -132,14 +132,16 @@ def test_one_line_and_exit_1(name, argv, expected, good, tmp_path, capsys, monke
 
 def test_an_unreadable_file(good, tmp_path, capsys, monkeypatch):
     path = Path(put(tmp_path / "result.json", good))
-    read = Path.read_text
+    import builtins
 
-    def refuse(self: Path, *a: Any, **k: Any) -> str:
-        if self == path:  # as root, chmod 000 would not stop a read
-            raise PermissionError(13, "Permission denied", str(self))
-        return read(self, *a, **k)
+    real_open = builtins.open
 
-    monkeypatch.setattr(Path, "read_text", refuse)
+    def refuse(file: Any, *a: Any, **k: Any) -> Any:
+        if str(file) == str(path):  # as root, chmod 000 would not stop a read
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", refuse)
     assert main(["validate", str(path)]) == 1
     assert capsys.readouterr().out == f"{path}: cannot read: Permission denied\n"
     assert main(["report", str(path)]) == 1

@@ -38,7 +38,7 @@ def in_flight(reqs: list[dict]) -> int:
 
 @pytest.fixture(scope="module")
 def open_job(llama_server, tmp_path_factory):
-    return run(tmp_path_factory.mktemp("open"), llama_server, "scenario.rates=[8,40]", "scenario.arrival=poisson",
+    return run(tmp_path_factory.mktemp("open"), llama_server, "scenario.concurrency=[]", "scenario.rates=[8,40]", "scenario.arrival=poisson",
                "scenario.max_concurrency=2", "scenario.requests=12", "scenario.seed=3")
 
 
@@ -76,7 +76,7 @@ def test_max_start_rate_on_a_closed_loop(llama_server, tmp_path):
 
 
 def test_worker_processes_on_the_real_server(llama_server, tmp_path):
-    res, reqs, _ = run(tmp_path, llama_server, "client.workers=2", "scenario.rates=[30]", "scenario.requests=10",
+    res, reqs, _ = run(tmp_path, llama_server, "client.workers=2", "scenario.concurrency=[]", "scenario.rates=[30]", "scenario.requests=10",
                     "scenario.concurrency=[2]")
     (lv,) = res["levels"]
     assert lv["errors"] == 0 and lv["client_workers"] == 2 and lv["client_cpu_util"] is not None

@@ -183,6 +183,10 @@ class Adapter:
         return getattr(cfg.model, cls.model_field)
 
     @classmethod
+    def check_model(cls, cfg: ExperimentConfig) -> None:
+        """Refuse (ConfigError) a model that cannot be there, without making or loading anything."""
+
+    @classmethod
     def create(cls, cfg: ExperimentConfig, locate: bool = True) -> "Adapter":
         """The adapter for cfg. locate=False (planning only): a missing program or model is left None."""
         program = model = None

@@ -18,7 +18,7 @@ import aiohttp
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, server_slots
 from kvexp.planner import CacheModel
 
 KV_LINE = re.compile(
@@ -36,7 +36,7 @@ class LlamaCppConfig(BackendConfig):
     binary: Optional[str] = None  # path or name on PATH; None: PATH, then kvexp's cached build
     threads: Optional[int] = None
     n_gpu_layers: Optional[int] = None
-    flash_attn: str = "on"  # on | off | auto
+    flash_attn: FlashAttn = FlashAttn.on
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
@@ -110,15 +110,19 @@ class LlamaCpp(Adapter):
         return str(found)
 
     @classmethod
-    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+    def check_model(cls, cfg: ExperimentConfig) -> None:
         gguf = cfg.model.gguf
-        if gguf == "@tiny":
+        if gguf != "@tiny" and not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
+            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+
+    @classmethod
+    def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
+        cls.check_model(cfg)
+        if cfg.model.gguf == "@tiny":
             from kvexp.tinymodels import ensure_tiny_gguf
 
             return str(ensure_tiny_gguf())
-        if not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
-            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
-        return gguf
+        return cfg.model.gguf
 
     @classmethod
     def install(cls, force: bool = False) -> None:
@@ -148,7 +152,7 @@ class LlamaCpp(Adapter):
             argv = [self.program, "-m", self.model_path, "--alias", self.served_name,
                     "--host", b.host, "--port", PORT, "-np", str(slots),
                     "-c", str(context), "--metrics", "--slots",
-                    "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", b.flash_attn, "-lv", "4"]
+                    "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", str(b.flash_attn), "-lv", "4"]
             # all cores but one by default: the load generator needs a core of its own
             argv += ["-t", str(b.threads or max(1, (os.cpu_count() or 2) - 1))]
             if b.n_gpu_layers is not None:

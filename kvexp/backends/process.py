@@ -3,8 +3,8 @@
 The server runs in its own process group with stdout/stderr going to a log file. Readiness is polled
 against a deadline while watching for early exit (the error quotes the log's last lines). Stopping
 sends SIGTERM to the whole group, waits a grace period, then SIGKILLs it. Every live server is also
-registered for an atexit/signal sweep, so none outlives kvexp: `raise_on_signals()` turns SIGINT and
-SIGTERM into an `Interrupted` exception in the main thread, so that every `finally` on the way out runs
+registered for an atexit/signal sweep, so none outlives kvexp: `raise_on_signals()` turns SIGINT,
+SIGTERM and SIGHUP into an `Interrupted` exception in the main thread, so that every `finally` on the way out runs
 (results are flushed, servers stopped, with a grace of at most INTERRUPT_GRACE_S once interrupted)."""
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from kvexp import launched
 from kvexp.backends.base import BackendError
 
 _LIVE: set["ServerProcess"] = set()
+# SIGHUP (a closed terminal or ssh session) ends kvexp like Ctrl-C: servers stopped, results kept
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPT_GRACE_S = 3.0
 _interrupted = False
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; str() is the signal's name."""
+    """SIGINT, SIGTERM or SIGHUP arrived; str() is the signal's name."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,9 +81,10 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env},
-                start_new_session=True,
+                start_new_session=True, preexec_fn=launched.preexec(),  # dies with kvexp (kvexp/launched.py)
             )
             _LIVE.add(self)
+            launched.remember(self.proc.pid, self.argv)
         except OSError as e:
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]}: {e.strerror}") from None
         finally:
@@ -133,6 +137,7 @@ class ServerProcess:
             grace = min(grace, INTERRUPT_GRACE_S)
         if p.poll() is None:
             _signal_group(p.pid, signal.SIGTERM)
+            _signal_group(p.pid, signal.SIGCONT)  # a stopped (hung, SIGSTOPped) server must see the SIGTERM
             try:
                 p.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -144,6 +149,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             pass
         _LIVE.discard(self)
+        if p.returncode is not None:
+            launched.forget(p.pid)
         return p.returncode
 
 
@@ -162,7 +169,7 @@ def stop_all(grace_s: float = INTERRUPT_GRACE_S) -> None:
 def _on_signal(signum: int, frame: object) -> None:
     global _interrupted
     _interrupted = True
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a repeat while stopping must not cut the stop short
+    for sig in HANDLED:  # a repeat while stopping must not cut the stop short
         signal.signal(sig, signal.SIG_IGN)
     # the exception lands in whichever asyncio task runs; the tasks it cuts short would each log an error
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -170,9 +177,9 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def raise_on_signals() -> dict[int, object]:
-    """SIGINT and SIGTERM raise Interrupted in the main thread from now on; returns the handlers they
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted in the main thread from now on; returns the handlers they
     replace (for signal.signal, to restore them)."""
-    return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.signal(sig, _on_signal) for sig in HANDLED}
 
 
 atexit.register(stop_all)

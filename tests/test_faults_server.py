@@ -1,0 +1,118 @@
+"""Deaths and hangs, on the real llama-server: SIGHUP (a dropped ssh session) and SIGKILL to kvexp leave
+no server running (checked by pid 5 s later), and a server stopped with SIGSTOP mid-level ends that
+level within scenario.stall_timeout_s + 5 s, fails the job and makes the run exit non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvexp.results import load_document
+from kvexp.validate import check_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Run:
+    """`python -m kvexp` as a child process, its output collected as it comes, and its server found."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvexp", *args], cwd=ROOT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait_for(self, text: str, timeout: float = 120) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if text in line:
+                    return t
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in kvexp's output:\n{self.output}")
+
+    def server(self) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "llama-server" in Path(p.cmdline()[0]).name:
+                    return p
+            except (psutil.Error, IndexError):
+                continue
+        raise AssertionError(f"kvexp runs no llama-server:\n{self.output}")
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_no_server_outlives_kvexp(llama_server, tmp_path, sig):
+    run = Run("scenario.requests=2000", f"hydra.run.dir={tmp_path}/run")
+    try:
+        run.wait_for("level 1: 2000 requests")
+        server = run.server()
+        time.sleep(1)
+        os.kill(run.proc.pid, sig)
+        rc = run.proc.wait(timeout=60)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    time.sleep(5)
+    assert not running(server), f"llama-server pid {server.pid} outlived kvexp ({sig.name})"
+    assert rc == (128 + sig if sig != signal.SIGKILL else -signal.SIGKILL)
+    if sig == signal.SIGHUP:  # handled like Ctrl-C: what was measured is saved, the message says how to resume
+        assert "kvexp: interrupted by SIGHUP: servers stopped, finished levels saved; resume with:" in run.output
+        r = load_document(tmp_path / "run" / "result.json")[1]
+        assert r["status"] == "partial" and r["status_reason"] == "interrupted by SIGHUP after 0 level(s)"
+    assert check_file(tmp_path / "run" / "requests.jsonl") == []
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["own-loop", "2-worker-processes"])
+def test_a_hung_server_ends_its_level_within_the_stall_timeout(llama_server, tmp_path, workers):
+    stall = 5.0
+    run = Run("scenario.requests=3000", "scenario.concurrency=[2]", f"scenario.stall_timeout_s={stall:g}",
+              f"client.workers={workers}", f"hydra.run.dir={tmp_path}/run")
+    try:
+        run.wait_for("level 2: 3000 requests")
+        server = run.server()
+        time.sleep(1)
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        ended = run.wait_for("(FAILED)", timeout=stall + 60)
+        rc = run.proc.wait(timeout=120)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert ended - stopped <= stall + 5, f"the level ended {ended - stopped:.1f} s after SIGSTOP"
+    assert rc == 1
+    assert run.output.strip().splitlines()[-1] == "kvexp: 1 job(s) failed: llamacpp-tiny-fp16-smoke"
+    assert not running(server)
+    r = load_document(tmp_path / "run" / "result.json")[1]
+    (lv,) = r["levels"]
+    assert lv["status"] == "failed" and lv["status_reason"].startswith("server hung: no bytes on any stream for")
+    assert r["status"] == "failed" and r["status_reason"].startswith("server hung")
+    assert check_file(tmp_path / "run" / "requests.jsonl") == []
+    rows = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert sum(1 for q in rows if not q["warmup"]) == lv["requests"] == 3000
