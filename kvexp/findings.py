@@ -52,8 +52,17 @@ def is_num(v: Any) -> bool:
 
 
 def num(d: dict, key: str) -> Optional[float]:
-    v = d.get(key)
+    v = level_value(d, key)
     return float(v) if is_num(v) else None
+
+
+def level_value(level: dict, key: str) -> Any:
+    """A level's value by key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        return level.get(key)
+    inner = level.get(head)
+    return inner.get(rest) if isinstance(inner, dict) else None
 
 
 @dataclass(frozen=True)
@@ -178,11 +187,12 @@ _INT_KEYS = {"concurrency", "requests", "errors", "blocks", "block_size", "capac
              "prompt_tokens", "max_tokens", "predicted_tokens", "actual_tokens", "calibrated_tokens",
              "output_tokens", "max_running", "max_waiting", "kv_usage_samples", "n", "kv_bytes_per_token",
              "tokens"}
-_PCT_KEYS = {"peak_kv_cache_usage", "cv", "predicted_kv_usage", "gpu_memory_utilization"}
+_PCT_KEYS = {"peak_kv_cache_usage", "cv", "predicted_kv_usage", "gpu_memory_utilization", "multi_token_chunk_share"}
 
 
 def format_value(key: str, v: Any) -> str:
     """One value as the report shows it; None is "—". Percent keys are shown as percent numbers."""
+    key = key.rpartition(".")[2]  # a nested level figure formats like its own name
     if v is None:
         return "—"
     if isinstance(v, bool):
@@ -196,7 +206,7 @@ def format_value(key: str, v: Any) -> str:
             v = v.get("n") if v.get("n") is not None else (v.get("throughput_tok_s") or {}).get("n")
         return "—" if v is None else str(len(v)) if isinstance(v, (list, tuple)) else format_value("n", v)
     if key == "warnings" and isinstance(v, (list, tuple)):
-        return "; ".join(str(w) for w in v)
+        return "; ".join(str(w.get("text") if isinstance(w, dict) else w) for w in v)
     if not is_num(v):
         return str(v)
     if key in _PCT_KEYS:

@@ -90,6 +90,13 @@ LATENCY_COLUMNS = (
     Column("e2e_p99_ms", "E2E p99 (ms)"),
     Column("client_queue_p50_ms", "Client queue p50 (ms)"),
     Column("client_queue_p99_ms", "Client queue p99 (ms)"),
+    # the server's own timing of the same requests, and how their tokens arrived
+    Column("server.tpot_p50_ms", "Server TPOT p50 (ms)"),
+    Column("server.tpot_mean_ms", "Server TPOT mean (ms)"),
+    Column("server.ttft_mean_ms", "Server TTFT mean (ms)"),
+    Column("server.queue_mean_ms", "Server queue mean (ms)"),
+    Column("delivery.tokens_per_chunk", "Tokens per chunk"),
+    Column("delivery.multi_token_chunk_share", "Multi-token chunks (%)"),
 )
 LOAD_COLUMNS = (
     Column("request_rate", "Request rate (req/s)"),
@@ -211,7 +218,7 @@ def _gib(v: Any) -> Optional[float]:
 
 def level_cell(run: dict, level: dict, key: str) -> str:
     """One level value as a table cell: "—" when missing, "not exposed" for KV figures a run never reports."""
-    v = F.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else level.get(key)
+    v = F.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else F.level_value(level, key)
     if key == "repeats" and F.is_num(v):
         return F.format_value("n", v)
     failed = level.get("status") == "failed" or F.run_status(run) in ("failed", "skipped")
@@ -787,8 +794,8 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
     A `tool` column (kvexp or the benchmark tool that measured the run) is there when a run came from
     another tool's file."""
     runs = list(aggregate.get("runs") or [])
-    extra = sorted({k for r in runs for lv in r.get("levels") or [] for k in lv} - set(CSV_LEVEL_KEYS))
-    present = {k for r in runs for lv in r.get("levels") or [] for k in lv}
+    present = {k for r in runs for lv in r.get("levels") or [] for k in _flat_keys(lv)}
+    extra = sorted(present - set(CSV_LEVEL_KEYS))
     level_keys = [k for k in CSV_LEVEL_KEYS if k in present or k in _ALWAYS] + extra
     tools = any(r.get("tool") for r in runs)
     head = ["label", *(["tool"] if tools else []), "backend", "model", "scenario", "kv_dtype", "kv_dtype_source",
@@ -799,8 +806,22 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
         base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
                 r.get("scenario"), kv.name, kv.source, F.run_status(r)]
         for lv in r.get("levels") or [{}]:
-            rows.append(base + [lv.get(k) for k in level_keys])
+            rows.append(base + [F.level_value(lv, k) for k in level_keys])
     return head, rows
+
+
+NESTED_LEVEL_BLOCKS = ("server", "delivery")  # a level's blocks whose figures get a column each
+
+
+def _flat_keys(level: dict) -> list[str]:
+    """A level's keys, with the figures of its server/delivery blocks as dotted keys."""
+    out = []
+    for k, v in level.items():
+        if k in NESTED_LEVEL_BLOCKS and isinstance(v, dict):
+            out += [f"{k}.{inner}" for inner in v]
+        else:
+            out.append(k)
+    return out
 
 
 def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,

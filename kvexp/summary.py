@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional
 import jinja2
 
 from kvexp.config import ConfigError, ExperimentConfig
+from kvexp.findings import level_value
 from kvexp.markdown import md_code, md_escape
 from kvexp.paths import data_dir
 from kvexp.results import RESULT_FILE, ResultError, collect, load_document, write_json
@@ -27,7 +28,9 @@ COLUMNS = [  # (key, header) in the reference document's order, then kvexp's add
 ]
 # shown only when some level of the job has them
 OPTIONAL_COLUMNS = [("repeat", "repeat"), ("goodput_req_s", "goodput req/s"),
-                    ("client_queue_p99_ms", "client queue p99 ms")]
+                    ("client_queue_p99_ms", "client queue p99 ms"),
+                    ("server.tpot_p50_ms", "server TPOT p50 ms"), ("server.tpot_mean_ms", "server TPOT mean ms"),
+                    ("delivery.tokens_per_chunk", "tokens/chunk")]
 NOT_EXPOSED = {"peak_kv_cache_usage", "preemptions", "peak_vram_gib"}
 REPEAT_COLUMNS = [("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
                   ("tpot_p50_ms", "TPOT p50 ms"), ("itl_p50_ms", "ITL p50 ms"), ("goodput_req_s", "goodput req/s")]
@@ -36,12 +39,12 @@ REPEAT_COLUMNS = [("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"),
 def columns_for(levels: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """COLUMNS, then the optional ones some level has (repeat: only when a level was repeated)."""
     extra = [(k, h) for k, h in OPTIONAL_COLUMNS
-             if any((lv.get(k) or 0) > 0 if k == "repeat" else lv.get(k) is not None for lv in levels)]
+             if any((lv.get(k) or 0) > 0 if k == "repeat" else level_value(lv, k) is not None for lv in levels)]
     return COLUMNS[:1] + [c for c in extra if c[0] == "repeat"] + COLUMNS[1:] + [c for c in extra if c[0] != "repeat"]
 
 
 def cell(level: dict[str, Any], key: str) -> str:
-    v = level.get(key)
+    v = level_value(level, key)
     if key == "concurrency" and v is None and level.get("rate") is not None:
         achieved = level.get("achieved_rate")
         return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
