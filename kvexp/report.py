@@ -610,26 +610,22 @@ def _planner_view(agg: dict) -> dict:
                         [False, True, True, True, True, False])
 
     plans = [(r, F.run_plan(r, agg)) for _, sruns in F.scenarios(agg) for r in sruns]
-    cap_rows, seen = [], set()
-    for r, p in plans:
+    cap_rows = []
+    for r, p in plans:  # one row per run: each run's own planner error, never one row for several runs
         if p is None:
             continue
         kv = F.kv_name(r)
-        key = (r.get("backend"), r.get("model"), kv.name)
-        if key in seen:
-            continue
-        seen.add(key)
         server = _kv_capacity(r.get("kv_cache") or {})
         diff = (server - p.capacity_tokens) / p.capacity_tokens * 100 if server and p.capacity_tokens else None
-        cap_rows.append([F.backend_name(r.get("backend")), str(r.get("model")), kv.display,
+        cap_rows.append([str(r.get("label")), F.backend_name(r.get("backend")), str(r.get("model")), kv.display,
                          F.format_value("kv_bytes_per_token", p.kv_bytes_per_token),
                          F.format_value("capacity_tokens", p.capacity_tokens),
                          F.format_value("capacity_tokens", p.calibrated_capacity_tokens),
                          F.format_value("capacity_tokens", server),
                          "—" if diff is None else f"{diff:+.1f}", p.source])
-    capacity = Table(["Backend", "Model", "KV", "KV bytes/token", "Planner capacity (tokens)",
+    capacity = Table(["Run", "Backend", "Model", "KV", "KV bytes/token", "Planner capacity (tokens)",
                       "Calibrated capacity (tokens)", "Server capacity (tokens)", "Server vs planner (%)", "Source"],
-                     cap_rows, [False, False, False, True, True, True, True, True, False]) if cap_rows else None
+                     cap_rows, [False, False, False, False, True, True, True, True, True, False]) if cap_rows else None
 
     pre_rows = []
     for r, p in plans:

@@ -23,6 +23,8 @@ Faults (fake-only flags): --fault KIND applies to the completion requests number
   reset      the connection is reset (RST) before any response byte
   malformed  one token, then a line of broken JSON, then the rest of the stream
   truncate   one token, then half a line, then the connection drops
+  burst      the tokens are generated at --token-gap as usual but sent in one write at the end (a
+             server that buffers its stream: the client sees every token arrive at once)
   never_ready  /health answers 503 for ever (not per request)
 --start-delay S: /health answers 503 for S seconds first. --token-gap S: time between tokens.
 SIGTERM or SIGINT: exit at once (status 0).
@@ -48,7 +50,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 BUILD = "b0-fake"
-FAULTS = ("crash", "stall", "http500", "http429", "reset", "malformed", "truncate", "never_ready")
+FAULTS = ("crash", "stall", "http500", "http429", "reset", "malformed", "truncate", "burst", "never_ready")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -211,18 +213,25 @@ class Fake:
         if chat:
             await resp.write(b"data: " + json.dumps({"choices": [{"finish_reason": None, "index": 0, "delta": {
                 "role": "assistant", "content": None}}], "object": "chat.completion.chunk"}).encode() + b"\n\n")
+        held: list[bytes] = []  # fault burst: every token of the response, written at once at the end
         for k in range(n_out):
             await asyncio.sleep(self.args.token_gap)
-            await resp.write(self.chunk(chat, "ab"[k % 2]))
+            if fault == "burst":
+                held.append(self.chunk(chat, "ab"[k % 2]))
+            else:
+                await resp.write(self.chunk(chat, "ab"[k % 2]))
             slot["decoded"] += 1
             self.predicted_total += 1
-            if k == 0 and fault and await self.inject(fault, resp, request):
+            if k == 0 and fault and fault != "burst" and await self.inject(fault, resp, request):
                 return
+        if held:
+            await resp.write(b"".join(held))
         self.prompt_total += n_prompt
         ms = (time.perf_counter() - t0) * 1000
         usage = {"completion_tokens": n_out, "prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
                  "prompt_tokens_details": {"cached_tokens": 0}}
-        timings = {"cache_n": 0, "prompt_n": n_prompt, "prompt_ms": 0.1, "predicted_n": n_out, "predicted_ms": ms}
+        timings = {"cache_n": 0, "prompt_n": n_prompt, "prompt_ms": 0.1, "predicted_n": n_out, "predicted_ms": ms,
+                   "predicted_per_token_ms": ms / (n_out - 1) if n_out > 1 else None}
         if chat:
             await resp.write(self.chunk(chat, None, "length"))
             await resp.write(b"data: " + json.dumps({"choices": [], "object": "chat.completion.chunk",

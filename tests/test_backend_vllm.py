@@ -691,3 +691,21 @@ def counters_of(text: str) -> dict[str, float]:
                 return await b.server_counters(s)
 
     return asyncio.run(main())
+
+
+def test_kv_auto_is_recorded_as_the_models_dtype(tmp_path) -> None:
+    """`--kv-cache-dtype auto` (cache_config_info says only "auto") stores the model's dtype: the KV
+    cache records which, from --dtype or the model's config.json."""
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    cfg = make_cfg("fp16")
+    b = VLLM(cfg, str(tmp_path), "py")
+
+    async def main() -> KVCacheInfo:
+        async with test_utils.TestServer(_fake_app([]), host="127.0.0.1") as server:
+            b.base_url = str(server.make_url("")).rstrip("/")
+            async with make_session(b.base_url, 4, 30, 10) as s:
+                return await b.kv_cache(s, "")
+
+    info = asyncio.run(main())
+    assert info.dtype == "auto" and (info.dtype_k, info.dtype_v) == ("bfloat16", "bfloat16")
+    assert any("the model's dtype bfloat16" in src for src in info.source)

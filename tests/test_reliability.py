@@ -187,3 +187,19 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+def test_a_bursting_stream_is_flagged_as_bursts_not_as_a_client_limit(tmp_path, fake_binary, pool):
+    """The server decodes a token every 5 ms but sends each response in one write: the client's TPOT
+    reflects delivery (about 0), the server's own is 5 ms, and the level says so."""
+    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--fault,burst,--token-gap,0.005]",
+                 "scenario.concurrency=[2]", "scenario.requests=6", "scenario.stall_timeout_s=5")
+    assert err is None
+    (lv,) = r["levels"]
+    codes = {w["code"] for w in lv["warnings"]}
+    assert lv["status"] == "ok" and lv["delivery"]["bursts"] is True
+    assert lv["delivery"]["tokens_per_chunk"] >= 8 and lv["delivery"]["multi_token_chunk_share"] == 1.0
+    assert "bursts" in codes and "client_limited" not in codes and lv["client_limited"] is False
+    assert lv["tpot_p50_ms"] < 1.0 <= 4.0 <= lv["server"]["tpot_p50_ms"]
+    burst = next(w for w in lv["warnings"] if w["code"] == "bursts")
+    assert burst["values"]["server_tpot_ms"] == lv["server"]["tpot_p50_ms"]
