@@ -53,6 +53,7 @@ async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
         window = Window(interval_s=interval_s)
         durations: list[float] = []
+        due = time.perf_counter()
         while True:
             while conn.poll():  # a request from the parent: hand over this window and start a new one
                 msg = conn.recv()
@@ -71,9 +72,10 @@ async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional
                 window.failures += 1
                 if len(window.errors) < 3:
                     window.errors.append(f"{type(e).__name__}: {e}"[:200])
-            took = time.perf_counter() - t
-            durations.append(took)
-            await asyncio.sleep(max(0.0, interval_s - took))
+            now = time.perf_counter()
+            durations.append(now - t)
+            due = max(due + interval_s, now)  # a fixed rate: a slow poll is not followed by a full sleep
+            await asyncio.sleep(due - now)
 
 
 def _main(conn: Any, adapter: Any, base_url: str, headers: Optional[dict[str, str]], interval_s: float) -> None:

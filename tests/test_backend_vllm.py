@@ -573,8 +573,8 @@ class TestRealServer:
         assert max(x.waiting for x in samples) > 0
 
     def test_fast_sampling_sees_the_full_cache_in_10_of_10_runs(self, vllm_servers: _Servers) -> None:
-        """1 MiB of KV cache (15 usable blocks of 128), 16 requests of 200 + 100 tokens: vLLM preempts,
-        and the telemetry process (a poll every 20 ms) must see the full cache every time."""
+        """1 MiB of KV cache (15 usable blocks of 128), 32 requests of 200 + 100 tokens at c=16: vLLM
+        preempts, and the telemetry process (a poll every 20 ms) must see the full cache every time."""
         b = vllm_servers.get("fp16")
         sampler = TelemetrySampler(b, b.base_url, None, 0.02)
         sampler.start()
@@ -586,7 +586,7 @@ class TestRealServer:
                     pool = await prompts.token_pool(b, s, seed=0)
                     batch = [(b.request(p, 100, "completions"),
                               RequestRecord(index=i, level=16, target_prompt_tokens=200, max_tokens=100))
-                             for i, p in enumerate(prompts.token_prompts(pool, 16, 200, seed=100 + run))]
+                             for i, p in enumerate(prompts.token_prompts(pool, 32, 200, seed=100 + run))]
                     sampler.window()
                     recs = await LoadGenerator(s, b).closed_loop(batch, 16)
                     return before, sampler.window(), recs, await b.poll(s)
