@@ -81,21 +81,25 @@ def make_backend(cfg: ExperimentConfig) -> Backend:
     program = server_program(cfg)
     if name == "llamacpp":
         from kvexp.backends.llamacpp import LlamaCpp
-        from kvexp.tinymodels import ensure_tiny_gguf
+        from kvexp.tinymodels import ensure_tiny_gguf, ensure_tiny_quality_gguf
 
         gguf = cfg.model.gguf
         if gguf == "@tiny":
             gguf = str(ensure_tiny_gguf())
+        elif gguf == "@tiny-quality":
+            gguf = str(ensure_tiny_quality_gguf())
         elif not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
             raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
         return LlamaCpp(cfg, gguf, program)
     if name == "vllm":
         from kvexp.backends.vllm import VLLM
-        from kvexp.tinymodels import ensure_tiny_hf
+        from kvexp.tinymodels import ensure_tiny_hf, ensure_tiny_hf_quality
 
         hf = cfg.model.hf
         if hf == "@tiny" and program:
             hf = str(ensure_tiny_hf(Path(program)))
+        elif hf == "@tiny-quality" and program:
+            hf = str(ensure_tiny_hf_quality(Path(program)))
         if not hf and not cfg.backend.endpoint:
             raise ConfigError(f"model.hf is not set for model={cfg.model.name}: give a local folder or a model id")
         return VLLM(cfg, hf, program)
@@ -270,6 +274,10 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
         job.save()
         asyncio.run(_measure(job, backend, server, observer))
+        if cfg.quality.enabled or cfg.scenario.kind == "quality":  # what the KV dtype costs in quality
+            from kvexp import quality
+
+            res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
         res["status"] = "complete" if not failed else "partial"
         res["status_reason"] = None
