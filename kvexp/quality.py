@@ -398,7 +398,7 @@ def _depth_entry(depth: int, **kw: Any) -> dict[str, Any]:
 
 # --- teacher-forced: llama.cpp ---------------------------------------------------------------------
 
-PPL_ATTEMPTS = 5
+PPL_ATTEMPTS = 8
 
 
 def _run_ppl(argv: list[str], log_path: Path, wanted: Optional[str] = None) -> str:

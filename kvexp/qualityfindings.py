@@ -9,7 +9,7 @@ drift: mean (p99) KLD and top-1 agreement per context depth, and identical greed
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from kvexp.findings import Finding, backend_name, is_num, level_x, num, sorted_levels, usable
 

@@ -705,7 +705,8 @@ def _quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], s
                 fmt_share(d.get("top1_agreement")), F.format_value("ppl", d.get("ppl_base")),
                 F.format_value("ppl", d.get("ppl")), F.format_value("delta_ppl", d.get("delta_ppl")),
                 F.format_value("capacity_tokens", cap), fmt_share(cont.get("identical_share")),
-                F.format_value("first_diff", cont.get("first_diff_mean")), fmt_share(cont.get("prefix_agreement")), src])
+                F.format_value("first_diff", cont.get("first_diff_mean")), fmt_share(cont.get("prefix_agreement")),
+                src])
             if status and status != "ok":
                 notes.append(f"{r.get('label')}, depth {d.get('context')}: {status}: {d.get('reason')}")
         if tf.get("reason"):

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -227,9 +231,10 @@ def _ensure_hf(python: Path | str, path: Path, model: dict) -> Path:
 # nothing on it. This one has the same vocabulary and template but next-token distributions with a
 # spread of a few nats: the held dimension carries each character's log-frequency in kvexp's
 # evaluation text as a bias (control tokens and byte tokens other than the line break strongly
-# negative, so EOS and invalid UTF-8 never win a greedy continuation), and sharp attention (large query/key weights) with value/output weights
-# that write as much into the residual stream as the embeddings do, so what the KV cache holds
-# moves the output. head_dim 64 (quantised KV types need a multiple of 32), context 8192.
+# negative, so EOS and invalid UTF-8 never win a greedy continuation), and sharp attention (large
+# query/key weights) with value/output weights that write into the residual stream about as much as
+# the embeddings do, so what the KV cache holds moves the output. head_dim 64 (quantised KV types
+# need a multiple of 32), context 8192.
 
 TINY_QUALITY_GGUF_VERSION = 1  # bump when the file's content changes, so caches are rebuilt
 

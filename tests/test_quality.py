@@ -221,7 +221,8 @@ def test_ollama_quality_degrades_to_continuations_with_reasons(tmp_path):
     res = results(sweep)
     for kv in ("fp16", "q8_0"):
         q = res[kv]["quality"]
-        assert q["teacher_forced"]["depths"] == [] and "no log-probabilities of given text" in q["teacher_forced"]["reason"]
+        tf = q["teacher_forced"]
+        assert tf["depths"] == [] and "no log-probabilities of given text" in tf["reason"]
         c = q["continuation"]
         assert c["unit"] == "character" and c["prompts"] == 3 and c["identical_share"] is not None
         assert c["kld_prefix_mean"] is None and "exposes no log-probabilities" in c["reason"]
