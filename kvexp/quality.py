@@ -211,19 +211,33 @@ def baseline_kv(name: str, like: KVConfig) -> KVConfig:
 
 
 _HASHES: dict[tuple, str] = {}
+HASH_MEMO_BYTES = 64 << 20  # files this big have their hash remembered in the cache dir too
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file (remembered per path, size and mtime for this process)."""
+    """sha256 of a file, remembered per path, size and mtime: for this process, and for large files
+    (a model of many GB takes a while to hash) in the quality cache's hashes.json."""
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _HASHES:
+        return _HASHES[key]
+    memo_path = quality_cache_dir() / "hashes.json"
+    memo_key = "|".join(map(str, key))
+    memo = (_read_json(memo_path) or {}) if st.st_size >= HASH_MEMO_BYTES else {}
+    digest = memo.get(memo_key)
+    if digest is None:
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-        _HASHES[key] = h.hexdigest()
-    return _HASHES[key]
+        digest = h.hexdigest()
+        if st.st_size >= HASH_MEMO_BYTES:
+            try:
+                _write_json(memo_path, {**memo, memo_key: digest})
+            except OSError:
+                pass  # a read-only cache: the hash is computed again next time
+    _HASHES[key] = digest
+    return digest
 
 
 def model_sha256(path: Optional[str]) -> Optional[str]:
@@ -285,6 +299,16 @@ class _Ctx:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
+def wanted(cfg: ExperimentConfig) -> bool:
+    """Whether this job measures quality: a quality scenario, or quality.enabled after speed levels."""
+    return cfg.quality.enabled or cfg.scenario.kind == "quality"
+
+
+def missing(cfg: ExperimentConfig, result: dict[str, Any]) -> bool:
+    """A job that wants quality but whose result has no quality block yet (e.g. interrupted in it)."""
+    return wanted(cfg) and not isinstance(result.get("quality"), dict)
+
+
 def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: Path) -> dict[str, Any]:
     """The `quality` block of a job's result: teacher-forced drift per depth, greedy-continuation
     agreement, the baseline's determinism check; null figures where the backend cannot expose them,
@@ -328,7 +352,10 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
     if name == "llamacpp":
         block["teacher_forced"] = _tf_llamacpp(ctx)
     elif name == "vllm":
-        block["teacher_forced"] = asyncio.run(_tf_vllm(ctx))
+        try:
+            block["teacher_forced"] = asyncio.run(_tf_vllm(ctx))
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError, OSError) as e:
+            block["teacher_forced"] = _tf_null(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     else:
         block["teacher_forced"] = _tf_null(f"{name}'s API returns no log-probabilities of given text "
                                            "(only of generated tokens)")

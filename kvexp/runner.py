@@ -251,7 +251,9 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend.name, not backend.forces_output_length))
-    if cfg.resume and _resume(job):
+    from kvexp import quality
+
+    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result):
         return job.result
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
@@ -274,9 +276,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
         job.save()
         asyncio.run(_measure(job, backend, server, observer))
-        if cfg.quality.enabled or cfg.scenario.kind == "quality":  # what the KV dtype costs in quality
-            from kvexp import quality
-
+        if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
         res["status"] = "complete" if not failed else "partial"

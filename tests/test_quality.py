@@ -227,3 +227,22 @@ def test_ollama_quality_degrades_to_continuations_with_reasons(tmp_path):
         assert c["unit"] == "character" and c["prompts"] == 3 and c["identical_share"] is not None
         assert c["kld_prefix_mean"] is None and "exposes no log-probabilities" in c["reason"]
     assert res["q8_0"]["quality"]["baseline"]["cached"] is True
+
+
+@pytest.mark.llamacpp
+def test_resume_measures_quality_that_an_interrupted_job_lacks(llama_server, llama_perplexity, tmp_path):
+    args = ["model=tiny-quality", "scenario=quality", "quality.depths=[512]", "quality.prompts=2",
+            "quality.max_tokens=8", f"backend.binary={llama_server}"]
+    p = run_kvexp(args, tmp_path, tmp_path / "qcache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (folder,) = list((tmp_path / "outputs" / "runs").iterdir())
+    path = folder / "result.json"
+    r = json.loads(path.read_text())
+    r.pop("quality")  # as if interrupted while measuring quality
+    r.update(status="partial", status_reason="interrupted by SIGINT after 0 level(s)")
+    path.write_text(json.dumps(r))
+    p = run_kvexp(["resume", str(folder)], tmp_path, tmp_path / "qcache")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(path.read_text())
+    assert r["status"] == "complete" and r["quality"]["baseline"]["cached"] is True
+    assert depths(r)[512]["status"] == "ok"
