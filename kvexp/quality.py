@@ -349,6 +349,9 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
     ctx = _Ctx(cfg, q, backend, dtype, base_kv, base_dtype, dtype == base_dtype, cache, text, text_path,
                out_dir, res.get("label") or "")
     block["baseline"].update(key=key, cache_dir=str(cache))
+    if (name == "llamacpp" and cfg.model.gguf == "@tiny") or (name == "vllm" and cfg.model.hf == "@tiny"):
+        ctx.warnings.append("model=tiny is degenerate by design (nearly one-hot next-token distributions): its "
+                            "drift figures mean nothing; use model=tiny-quality")
     if name == "llamacpp":
         block["teacher_forced"] = _tf_llamacpp(ctx)
     elif name == "vllm":
