@@ -715,13 +715,18 @@ def _quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], s
             notes.append(f"{r.get('label')}: continuations: {cont['reason']}")
         notes += [f"{r.get('label')}: {w}" for w in q.get("warnings") or []]
         pts = [(float(d["context"]), float(d["kld_mean"])) for d in tf.get("depths") or []
-               if d.get("status") == "ok" and F.is_num(d.get("kld_mean"))]
+               if d.get("status") == "ok" and F.is_num(d.get("kld_mean")) and d["kld_mean"] > 0]
+        if q.get("kv") == base.get("kv"):  # the baseline against itself: the method's floor, in the table
+            pts = []
         if pts:
             label = str(r.get("label"))
             series.append(C.Series(label, colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
                                    tuple(y for _, y in pts), C.MARKERS.get(str(r.get("backend")), "D")))
     ys = [y for s_ in series for y in s_.ys if y is not None]
-    logy = bool(ys) and min(ys) > 0 and max(ys) / min(ys) > 50
+    logy = bool(ys) and max(ys) / min(ys) > 20
+    if series:
+        notes.append("The chart shows the KV dtypes other than the baseline; the baseline against itself (the "
+                     "method's floor) is in the table.")
     charts = []
     if series:
         spec = C.ChartSpec("quality-kld", "Mean KLD from the 16-bit KV cache vs context depth",
