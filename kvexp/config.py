@@ -9,6 +9,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -103,6 +104,9 @@ class KVConfig:
 @dataclass
 class ScenarioConfig:
     name: str = MISSING
+    # speed: measure the levels below; quality: no speed levels, only the quality measurement
+    # (quality.*), e.g. scenario=quality
+    kind: str = "speed"
     prompt_tokens: int = MISSING
     max_tokens: int = MISSING
     concurrency: list[int] = field(default_factory=list)
@@ -168,6 +172,26 @@ def client_connections(s: "ScenarioConfig") -> Optional[int]:
 
 
 @dataclass
+class QualityConfig:
+    """What a KV dtype costs in quality: drift from the 16-bit KV cache (kvexp/quality.py). Runs
+    after a job's speed levels when enabled, and is all a job of a `kind: quality` scenario does."""
+
+    enabled: bool = False
+    text: Optional[str] = None  # evaluation text file; None: kvexp's own (kvexp/evaltext.txt)
+    # Teacher-forced drift: context depths (tokens per window; the second half of each is scored)
+    depths: list[int] = field(default_factory=lambda: [512, 2048, 4096])
+    chunks: int = 4  # windows per depth, at most (the text's length may allow fewer)
+    # Greedy-continuation agreement through the serving API
+    prompts: int = 8
+    prompt_tokens: int = 64
+    max_tokens: int = 32
+    top_k: int = 10  # log-probabilities asked per position where only top-k is exposed
+    seed: int = 0
+    baseline: str = "fp16"  # the KV dtype every other one is compared with
+    cache: bool = True  # keep the baseline's outputs (per backend, model, build) for later jobs
+
+
+@dataclass
 class GPUConfig:
     name: Optional[str] = None  # None: read from NVML
     memory_gib: Optional[float] = None  # None: read from NVML
@@ -183,6 +207,7 @@ class ExperimentConfig:
     scenario: ScenarioConfig = MISSING
     gpu: GPUConfig = field(default_factory=GPUConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
     # What to do with a backend/kv pair that cannot run: error (stop at start) or skip (record why).
     unsupported: Unsupported = Unsupported.error
     resume: bool = False
@@ -223,7 +248,8 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.requests >= 1, f"scenario.requests={s.requests}: must be >= 1")
     _require(s.warmup_requests >= 0, f"scenario.warmup_requests={s.warmup_requests}: must be >= 0")
     _require(s.repeats >= 1, f"scenario.repeats={s.repeats}: must be >= 1")
-    _require(bool(s.concurrency) or bool(s.rates),
+    _require(s.kind in ("speed", "quality"), f"scenario.kind={s.kind!r}: allowed values are speed, quality")
+    _require(s.kind == "quality" or bool(s.concurrency) or bool(s.rates),
              f"scenario {s.name}: give scenario.concurrency (e.g. [1,4,16]) or scenario.rates")
     _require(all(c >= 1 for c in s.concurrency),
              f"scenario.concurrency={list(s.concurrency)}: every level must be an integer >= 1")
@@ -238,6 +264,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     check_client(cfg.client)
     check_known_keys(cfg)
     check_ranges(cfg)
+    check_quality(cfg.quality)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
     _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
@@ -376,6 +403,20 @@ def check_client(c: ClientConfig) -> None:
              f"client.workers={w!r}: allowed values are auto or a number >= 1")
     _require(c.event_loop in ("auto", "asyncio", "uvloop"),
              f"client.event_loop={c.event_loop!r}: allowed values are auto, asyncio, uvloop")
+
+
+def check_quality(q: QualityConfig) -> None:
+    _require(bool(q.depths) and all(d >= 16 for d in q.depths),
+             f"quality.depths={list(q.depths)}: give context depths of at least 16 tokens, e.g. [512,2048]")
+    for key in ("chunks", "prompts", "prompt_tokens", "max_tokens", "top_k"):
+        v = getattr(q, key)
+        _require(v >= 1, f"quality.{key}={v}: must be >= 1")
+    from kvexp.paths import data_dir
+
+    _require((data_dir("conf") / "kv" / f"{q.baseline}.yaml").is_file(),
+             f"quality.baseline={q.baseline}: no such KV option (one of conf/kv/*.yaml, e.g. fp16)")
+    _require(q.text is None or Path(q.text).expanduser().is_file(),
+             f"quality.text={q.text}: no such file (give a UTF-8 text file, or leave it unset for kvexp's own)")
 
 
 def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:

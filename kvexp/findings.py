@@ -517,6 +517,9 @@ def compute_findings(aggregate: dict) -> list[Finding]:
         out += best_overall(scen, srun)
     for scen, srun in groups:
         out += kv_gains(scen, srun, kv_bytes)
+    from kvexp.qualityfindings import quality_findings  # capacity and speed against quality cost
+
+    out += quality_findings(aggregate)
     for scen, srun in groups:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:

@@ -1,5 +1,7 @@
-"""One-time install of a CPU llama-server built from the llama.cpp tree vendored in the
-llama-cpp-python sdist (MIT). The binary is cached per machine; nothing is downloaded at run time."""
+"""One-time install of a CPU llama-server and llama-perplexity built from the llama.cpp tree vendored
+in the llama-cpp-python sdist (MIT). The binaries are cached per machine; nothing is downloaded at run
+time. llama-perplexity is built from the same tree as llama-server so that quality figures (KL
+divergence from the 16-bit KV cache) come from the same code that serves."""
 
 from __future__ import annotations
 
@@ -22,8 +24,29 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+LLAMA_TOOLS = ("llama-server", "llama-perplexity")  # the targets built from one llama.cpp tree
+
+
+def cached_llama_tool(name: str) -> Path:
+    return cache_dir() / "bin" / f"{name}-{LLAMA_CPP_PYTHON_VERSION}"
+
+
 def cached_llama_server() -> Path:
-    return cache_dir() / "bin" / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+    return cached_llama_tool("llama-server")
+
+
+def find_llama_perplexity(server: str | Path | None = None) -> Path | None:
+    """The llama-perplexity built with `server` (the llama-server a job runs): the file beside it
+    (`llama-perplexity` next to `llama-server`, or kvexp's cached pair), else PATH; None: not found."""
+    if server is not None:
+        s = Path(server)
+        beside = s.with_name(s.name.replace("llama-server", "llama-perplexity", 1))
+        if beside != s and beside.is_file():
+            return beside
+    if w := shutil.which("llama-perplexity"):
+        return Path(w)
+    cached = cached_llama_tool("llama-perplexity")
+    return cached if cached.is_file() else None
 
 
 def find_llama_server(configured: str | None = None) -> Path | None:
@@ -72,10 +95,14 @@ def _run(cmd: list[str], cwd: Path | None = None, step: str | None = None, log: 
 
 
 def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
-    target = cached_llama_server()
-    if target.is_file() and not force:
-        print(f"llama-server already installed: {target}")
-        return target
+    """Build llama-server and llama-perplexity from one tree, in one cmake run (the libraries they
+    share compile once). A tool already cached is kept: only the missing ones are built."""
+    missing = [t for t in LLAMA_TOOLS if force or not cached_llama_tool(t).is_file()]
+    for t in LLAMA_TOOLS:
+        if t not in missing:
+            print(f"{t} already installed: {cached_llama_tool(t)}")
+    if not missing:
+        return cached_llama_server()
     for tool in ("cmake", "c++"):
         if not shutil.which(tool):
             raise SystemExit(f"kvexp install: '{tool}' not found; install cmake and a C++ compiler first")
@@ -83,7 +110,7 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
     log = cache_dir() / "build-llama-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_bytes(b"")  # this build's output only
-    print(f"kvexp install: building llama-server (about 5 minutes on 2 cores); compiler output: {log}")
+    print(f"kvexp install: building {', '.join(missing)} (about 5 minutes on 2 cores); compiler output: {log}")
     with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
         tmpd = Path(tmp)
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
@@ -99,14 +126,15 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
               "-DGGML_NATIVE=ON"], step="configuring (cmake)", log=log)
-        _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
-             step="compiling llama-server", log=log)
-        built = build / "bin" / "llama-server"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, target.with_suffix(".tmp"))
-        os.replace(target.with_suffix(".tmp"), target)
-    print(f"llama-server installed: {target}")
-    return target
+        _run(["cmake", "--build", str(build), "--target", *missing, "-j", str(jobs)],
+             step=f"compiling {', '.join(missing)}", log=log)
+        for t in missing:
+            target = cached_llama_tool(t)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(build / "bin" / t, target.with_suffix(".tmp"))
+            os.replace(target.with_suffix(".tmp"), target)
+            print(f"{t} installed: {target}")
+    return cached_llama_server()
 
 
 # --- vLLM (CPU build) in its own venv ----------------------------------------------------------

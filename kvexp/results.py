@@ -271,6 +271,7 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "kv_requested": result["kv"]["requested"],
         "reused_server": result["backend"]["reused_server"],
         "planner": result.get("planner"),
+        "quality": result.get("quality"),
         "source": source,
     }
 

@@ -188,7 +188,9 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend))
-    if cfg.resume and _resume(job):
+    from kvexp import quality
+
+    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result):
         return job.result
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
@@ -211,6 +213,8 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
         job.save()
         asyncio.run(_measure(job, backend, server, observer))
+        if quality.wanted(cfg):  # what the KV dtype costs in quality
+            res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
         res["status"] = "complete" if not failed else "partial"
         res["status_reason"] = None
@@ -241,7 +245,9 @@ def _resume(job: Job) -> bool:
     prev = previous_result(job.result_path, res["config_hash"])
     job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
     if prev and all(v in job.kept for _, v in job.plan):
-        if prev["status"] != "complete":  # stopped after its last level was saved
+        from kvexp import quality
+
+        if prev["status"] != "complete" and not quality.missing(job.cfg, prev):  # stopped after its last level
             prev.update(status="complete", status_reason=None)
             write_json(job.result_path, prev, "result")
         job.result = prev

@@ -97,8 +97,10 @@ def semantic_errors(doc: Any, kind: str) -> list[str]:
         if _int(e) and isinstance(by_kind, dict) and all(_int(x) for x in by_kind.values()) \
                 and sum(by_kind.values()) != e:
             out.append(f"{_path((*parts, 'errors_by_kind'))}: adds up to {sum(by_kind.values())}, not errors={e}")
-    if kind == "result" and doc.get("status") == "complete" and doc.get("levels") == []:
-        out.append("$.levels: a job whose status is complete must have at least one level")
+    if kind == "result" and doc.get("status") == "complete" and doc.get("levels") == [] \
+            and not isinstance(doc.get("quality"), dict):
+        out.append("$.levels: a job whose status is complete must have at least one level (or, for a quality "
+                   "scenario, a quality block)")
     if kind == "request":
         for a, b in (("sent_s", "done_s"), ("sent_s", "first_token_s")):
             x, y = doc.get(a), doc.get(b)

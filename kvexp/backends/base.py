@@ -274,6 +274,25 @@ class Adapter:
         """One sample of the server's gauges (called every few tens of ms by telemetry.py)."""
         return TelemetrySample()
 
+    # ---- quality: what a KV dtype costs (kvexp/quality.py)
+    # how teacher-forced drift is measured: "perplexity_tool" (llama-perplexity over the same GGUF),
+    # "prompt_logprobs" (the serving API's log-probabilities of given text), or None (not exposed)
+    teacher_forced: ClassVar[Optional[str]] = None
+    continuation_unit: ClassVar[str] = "token"  # what a greedy continuation is compared in
+
+    def continuation_request(self, prompt: Any, max_tokens: int, top_k: int, seed: int) -> Optional[Request]:
+        """One greedy, seeded, non-streamed continuation with top-k log-probabilities where the API
+        gives them (None: the backend cannot)."""
+        return None
+
+    def parse_continuation(self, data: dict[str, Any]) -> tuple[list[Any], list[Optional[dict[int, float]]]]:
+        """(units, top-k log-probabilities per unit; None where not exposed) of a continuation answer."""
+        raise NotImplementedError(f"{self.name}: no continuation API")
+
+    def numerics(self) -> dict[str, Any]:
+        """The launch settings besides the KV dtype that change the server's numbers (a cache key)."""
+        return {}
+
     # ---- the server's own view of a level, beside the client's
     server_timing_source: ClassVar[str] = "per-request timings"
 

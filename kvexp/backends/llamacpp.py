@@ -112,7 +112,7 @@ class LlamaCpp(Adapter):
     @classmethod
     def check_model(cls, cfg: ExperimentConfig) -> None:
         gguf = cfg.model.gguf
-        if gguf != "@tiny" and not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
+        if gguf not in ("@tiny", "@tiny-quality") and not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
             raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
 
     @classmethod
@@ -122,6 +122,10 @@ class LlamaCpp(Adapter):
             from kvexp.tinymodels import ensure_tiny_gguf
 
             return str(ensure_tiny_gguf())
+        if cfg.model.gguf == "@tiny-quality":
+            from kvexp.tinymodels import ensure_tiny_quality_gguf
+
+            return str(ensure_tiny_quality_gguf())
         return cfg.model.gguf
 
     @classmethod
@@ -153,8 +157,7 @@ class LlamaCpp(Adapter):
                     "--host", b.host, "--port", PORT, "-np", str(slots),
                     "-c", str(context), "--metrics", "--slots",
                     "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", str(b.flash_attn), "-lv", "4"]
-            # all cores but one by default: the load generator needs a core of its own
-            argv += ["-t", str(b.threads or max(1, (os.cpu_count() or 2) - 1))]
+            argv += ["-t", str(self.threads)]
             if b.n_gpu_layers is not None:
                 argv += ["-ngl", str(b.n_gpu_layers)]
             argv += list(b.extra_args)
@@ -211,6 +214,27 @@ class LlamaCpp(Adapter):
         except aiohttp.ClientError:
             pass
         return info
+
+    teacher_forced = "perplexity_tool"
+
+    def continuation_request(self, prompt: Any, max_tokens: int, top_k: int, seed: int) -> Optional[Request]:
+        return Request("/completion", {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
+                                       "seed": seed, "cache_prompt": False, "ignore_eos": True,
+                                       "n_probs": top_k, "return_tokens": True})
+
+    def parse_continuation(self, data: dict[str, Any]) -> tuple[list[Any], list[Optional[dict[int, float]]]]:
+        probs = data.get("completion_probabilities") or []
+        tokens = list(data.get("tokens") or [p.get("id") for p in probs])
+        tops = [{int(t["id"]): float(t["logprob"]) for t in p.get("top_logprobs") or []} or None for p in probs]
+        return tokens, tops + [None] * (len(tokens) - len(tops))
+
+    def numerics(self) -> dict[str, Any]:
+        return {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}
+
+    @property
+    def threads(self) -> int:
+        # all cores but one by default: the load generator needs a core of its own
+        return self.b.threads or max(1, (os.cpu_count() or 2) - 1)
 
     server_timing_source = "llama-server's per-request timings"
 

@@ -348,6 +348,18 @@ class Ollama(Adapter):
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         return parse_server_log(log_text, self.kv_type)
 
+    continuation_unit = "character"  # no token ids in its answers
+
+    def continuation_request(self, prompt: Any, max_tokens: int, top_k: int, seed: int) -> Optional[Request]:
+        req = self.request(prompt, max_tokens, "completions")
+        body = {**req.body, "stream": False}
+        body["options"] = {**body.get("options", {}), "temperature": 0, "seed": seed}
+        return Request(req.path, body)
+
+    def parse_continuation(self, data: dict[str, Any]) -> tuple[list[Any], list[Optional[dict[int, float]]]]:
+        text = data.get("response") or ""
+        return list(text), [None] * len(text)
+
     server_timing_source = "Ollama's per-request durations (TPOT = eval_duration / eval_count)"
 
     def request_timing(self, timings: Optional[dict[str, float]],

@@ -83,6 +83,11 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
     )
 
 
+def _token_id(t: str) -> int:
+    """vLLM's token strings with return_tokens_as_token_ids: 'token_id:123'."""
+    return int(str(t).rsplit(":", 1)[-1])
+
+
 def cpu_fp8_kv_supported(cpuinfo: str) -> bool:
     """vLLM's CPU build stores an fp8 KV cache only on x86 with AVX-512 or AMX (otherwise the worker
     fails at start: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX")."""
@@ -231,12 +236,12 @@ class VLLM(Adapter):
     @classmethod
     def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
         hf = cfg.model.hf
-        if hf == "@tiny":
+        if hf in ("@tiny", "@tiny-quality"):
             if not program:
                 return None
-            from kvexp.tinymodels import ensure_tiny_hf
+            from kvexp.tinymodels import ensure_tiny_hf, ensure_tiny_hf_quality
 
-            return str(ensure_tiny_hf(Path(program)))
+            return str((ensure_tiny_hf if hf == "@tiny" else ensure_tiny_hf_quality)(Path(program)))
         if not hf and not cfg.backend.endpoint:
             raise ConfigError(f"model.hf is not set for model={cfg.model.name}: give a local folder or a model id")
         return hf
@@ -403,6 +408,22 @@ class VLLM(Adapter):
             self._filtered = False
         text = await self.metrics_text(session)
         return telemetry(text) if text is not None else TelemetrySample()
+
+    teacher_forced = "prompt_logprobs"
+
+    def continuation_request(self, prompt: Any, max_tokens: int, top_k: int, seed: int) -> Optional[Request]:
+        return Request("/v1/completions", {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
+                                           "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                                           "seed": seed, "logprobs": top_k, "return_tokens_as_token_ids": True})
+
+    def parse_continuation(self, data: dict[str, Any]) -> tuple[list[Any], list[Optional[dict[int, float]]]]:
+        lp = (data.get("choices") or [{}])[0].get("logprobs") or {}
+        tokens = [_token_id(t) for t in lp.get("tokens") or []]
+        tops = [{_token_id(k): float(v) for k, v in (d or {}).items()} or None for d in lp.get("top_logprobs") or []]
+        return tokens, tops + [None] * (len(tokens) - len(tops))
+
+    def numerics(self) -> dict[str, Any]:
+        return {"dtype": self.b.dtype, "block_size": self.b.block_size, "enforce_eager": self.b.enforce_eager}
 
     server_timing_source = "vLLM's /metrics histograms (difference over the level)"
 
