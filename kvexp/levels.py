@@ -112,6 +112,15 @@ class Level:
         return out
 
 
+def kv_peak(sampled: Optional[float], preemptions: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+    """(peak KV usage to report, the sampled peak when the report differs from it). A server preempts
+    only when no free block is left, so a level with preemptions had a full cache whatever the samples
+    saw: a gauge never contradicts the counter."""
+    if preemptions and (sampled or 0.0) < 1.0:
+        return 1.0, sampled
+    return sampled, None
+
+
 def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output_lengths: Sequence[Optional[int]],
                    prompt_tokens: int, max_tokens: int, forced: bool,
                    client_limits: Sequence[str] = (), predicted_kv_usage: Optional[float] = None,

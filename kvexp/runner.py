@@ -23,7 +23,7 @@ from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
 from kvexp.paths import SpaceReserve
 from kvexp.gpu import GIB, MemorySampler, gpu_info
-from kvexp.levels import Level, level_warnings
+from kvexp.levels import Level, kv_peak, level_warnings
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
@@ -442,9 +442,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         level.scheduled_rate = stats.start_rate(records, scheduled=True)
     level.server = backend.server_view(records, counters_before, counters_after)
     level.delivery = stats.delivery(records)
-    if level.preemptions and (level.peak_kv_cache_usage or 0.0) < 1.0:
-        # vLLM preempts only when no free block is left: the cache was full, whatever the samples saw
-        level.kv_usage_sampled_peak, level.peak_kv_cache_usage = level.peak_kv_cache_usage, 1.0
+    level.peak_kv_cache_usage, level.kv_usage_sampled_peak = kv_peak(level.peak_kv_cache_usage, level.preemptions)
     bursts = bool(level.delivery["bursts"])
     limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
     level.client_limited = bool(limits)
