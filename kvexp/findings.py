@@ -706,7 +706,10 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
         xs = sorted({c for c in (num(lv, "concurrency") for lv in run.get("levels") or []) if c is not None})
         return tuple(PlanLevel(c, min(1.0, c * per_req / cap), c * per_req > cap) for c in xs)
 
-    cap, ccap = num(row, "predicted_tokens"), num(row, "calibrated_tokens")
+    from kvexp.recompute import kvexp_tokens  # the document's own figure only where kvexp cannot recompute it
+
+    mine = kvexp_tokens(row, aggregate)
+    cap, ccap = (mine if mine is not None else num(row, "predicted_tokens")), num(row, "calibrated_tokens")
     bpt = None
     pl = aggregate.get("planner") or {}
     arch = (pl.get("models") or {}).get(row.get("preset") or "")
