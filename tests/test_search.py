@@ -1,0 +1,149 @@
+"""SLO search: the pure decisions of kvexp/search.py, and on the real llama-server the same answer as
+the full grid from fewer levels."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvexp import search
+from kvexp.search import Objectives, Probe, next_step
+
+OBJ = Objectives("concurrency", slo_ttft_ms=100.0, slo_tpot_ms=None, min_growth=None)
+GRID = [float(c) for c in range(1, 17)]
+
+
+def _probe(x, ttft, tput=None, **kw):
+    return search.evaluate(x, [{"ttft_p95_ms": ttft, "tpot_p95_ms": 1.0, "throughput_tok_s": tput,
+                                "requests": 16, "errors": 0, "status": "ok", **kw}], OBJ)
+
+
+def _run(latency, grid=GRID, obj=OBJ):
+    """Drive the search against a latency curve; returns (final step, levels probed in order)."""
+    probes: list[Probe] = []
+    while True:
+        step = next_step(grid, probes, obj)
+        if step.x is None:
+            return step, [p.x for p in probes]
+        lv = {"requests": 16, "errors": 0, "status": "ok", **latency(step.x)}
+        probes.append(search.evaluate(step.x, [lv], obj))
+
+
+def test_ramp_doubles_then_bisects_to_neighbours():
+    step, order = _run(lambda c: {"ttft_p95_ms": 20.0 * c})  # 100 ms at 5: the answer
+    assert order == [1, 2, 4, 8, 6, 5]
+    assert (step.answer, step.last_pass, step.first_fail, step.stop_reason) == (5, 5, 6, search.STOP_RESOLUTION)
+
+
+@pytest.mark.parametrize("knee", range(1, 17))
+def test_the_answer_is_the_grids_for_every_knee(knee):
+    step, order = _run(lambda c: {"ttft_p95_ms": 50.0 if c <= knee else 500.0})
+    assert step.answer == knee and len(order) <= 8
+    full = [_probe(c, 50.0 if c <= knee else 500.0) for c in GRID]
+    assert search.grid_answer(full) == knee
+
+
+def test_nothing_meets_and_everything_meets():
+    step, order = _run(lambda c: {"ttft_p95_ms": 500.0})
+    assert order == [1] and step.answer is None and step.stop_reason == search.STOP_BOTTOM
+    step, order = _run(lambda c: {"ttft_p95_ms": 1.0})
+    assert order == [1, 2, 4, 8, 16] and step.answer == 16 and step.stop_reason == search.STOP_TOP
+    assert step.first_fail is None
+
+
+def test_a_grid_that_does_not_double_takes_its_top_before_stopping():
+    step, order = _run(lambda c: {"ttft_p95_ms": 1.0}, grid=[1.0, 3.0, 5.0])
+    assert order == [1, 3, 5] and step.answer == 5
+
+
+def test_stops_when_throughput_stops_growing():
+    obj = Objectives("concurrency", 100.0, None, min_growth=0.05)
+    step, order = _run(lambda c: {"ttft_p95_ms": 1.0, "throughput_tok_s": min(c, 4) * 100.0}, obj=obj)
+    assert order == [1, 2, 4, 8] and step.stop_reason == search.STOP_PLATEAU and step.answer == 8
+    assert "400.0 -> 400.0 tok/s from concurrency 4 to 8" in step.detail
+
+
+def test_stops_when_preemptions_begin_or_errors_pass_the_threshold():
+    step, order = _run(lambda c: {"ttft_p95_ms": 1.0, "preemptions": 3 if c >= 8 else 0})
+    assert order == [1, 2, 4, 8] and step.stop_reason == search.STOP_PREEMPTION
+    assert step.answer == 4 and step.first_fail == 8
+    step, order = _run(lambda c: {"ttft_p95_ms": 1.0, "errors": 8 if c >= 4 else 0})
+    assert order == [1, 2, 4] and step.stop_reason == search.STOP_ERRORS and step.answer == 2
+
+
+def test_repeats_are_averaged_and_both_objectives_count():
+    obj = Objectives("concurrency", 100.0, 5.0)
+    p = search.evaluate(4, [{"ttft_p95_ms": 90.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0},
+                            {"ttft_p95_ms": 120.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0}], obj)
+    assert p.ttft_ms == 105.0 and not p.passed and p.misses == ("ttft",)
+    p99 = Objectives("concurrency", None, 5.0, percentile="p99")
+    assert search.evaluate(4, [{"tpot_p99_ms": 6.0, "tpot_p95_ms": 1.0, "requests": 8}], p99).misses == ("tpot",)
+
+
+def test_grid_filled_at_a_resolution():
+    assert search.grid([1, 16], 3) == [1, 4, 7, 10, 13, 16]
+    assert search.grid([0.5, 2.0], 0.5, integer=False) == [0.5, 1.0, 1.5, 2.0]
+
+
+def test_bad_search_settings_are_one_line(tmp_path):
+    from kvexp.cli import compose
+    from kvexp.config import ConfigError, check_config
+
+    for overrides, message in (
+            (["scenario.search=concurrency"], "give scenario.slo_ttft_ms and/or scenario.slo_tpot_ms"),
+            (["scenario.search=latency", "scenario.slo_ttft_ms=10"],
+             "scenario.search='latency': allowed values are concurrency, rate"),
+            (["scenario.slo_percentile=p90"], "scenario.slo_percentile='p90'"),
+            (["scenario.search=rate", "scenario.slo_ttft_ms=10"], "give the grid to search as scenario.rates"),
+            (["scenario.search=concurrency", "scenario.slo_ttft_ms=10", "scenario.search_resolution=0"],
+             "scenario.search_resolution=0.0: must be > 0")):
+        with pytest.raises(ConfigError, match=message):
+            check_config(compose(overrides))
+
+
+# ---------------------------------------------------------------------------------------------------
+# On the real llama-server
+
+
+# 4 slots: up to 4 streams no request waits (TTFT p95 a few ms, spikes of tens of ms on a busy machine);
+# from 5 on, requests wait for a slot for a whole 512-token request (about 300 ms here), so 150 ms puts
+# the answer at 4, inside the grid.
+SLO_MS = 150.0
+REAL = ["scenario=smoke", "scenario.concurrency=[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]", "scenario.requests=16",
+        "scenario.max_tokens=512", "backend.parallel=4", f"scenario.slo_ttft_ms={SLO_MS}"]
+
+
+@pytest.fixture(scope="module")
+def grid_and_search(llama_server, tmp_path_factory):
+    from kvexp.cli import compose
+    from kvexp.runner import ServerPool, run_job
+
+    pool, out = ServerPool(), {}
+    try:
+        for name, extra in (("grid", []), ("search", ["scenario.search=concurrency", "scenario.search_min_growth=null"])):
+            folder = tmp_path_factory.mktemp(name)
+            cfg = compose([*REAL, f"backend.binary={llama_server}", f"label={name}", *extra])
+            out[name] = (run_job(cfg, folder, pool=pool), folder)
+    finally:
+        pool.release()
+    return out
+
+
+def test_the_search_finds_the_grids_answer_in_less_time(grid_and_search):
+    from kvexp.validate import check_file
+
+    (grid, _), (found, folder) = grid_and_search["grid"], grid_and_search["search"]
+    obj = search.objectives(type("S", (), {"search": "concurrency", "slo_ttft_ms": SLO_MS, "slo_tpot_ms": None,
+                                           "slo_percentile": "p95", "max_error_rate": 0.1,
+                                           "search_min_growth": None})())
+    full = [search.evaluate(lv["concurrency"], [lv], obj) for lv in grid["levels"]]
+    expected = search.grid_answer(full)
+    assert expected is not None and 1 < expected < 16, [(p.x, p.ttft_ms) for p in full]
+    s = found["search"]
+    assert s["answer"] == expected, ([(p.x, p.ttft_ms) for p in full], s["probed"])
+    assert s["answer"] == expected and s["last_pass"] == expected and s["first_fail"] == expected + 1
+    assert s["stop_reason"] == search.STOP_RESOLUTION
+    probed = [p["x"] for p in s["probed"]]
+    assert sorted(probed) == [lv["concurrency"] for lv in found["levels"]]  # every probe kept as a level
+    assert len(probed) < len(grid["levels"]) / 2
+    assert found["timing"]["measure_s"] < grid["timing"]["measure_s"]
+    assert check_file(folder / "result.json") == []
