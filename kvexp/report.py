@@ -795,7 +795,10 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     failures = [{"label": str(r.get("label")), "status": F.run_status(r), "scenario": str(r.get("scenario")),
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if F.run_status(r) in ("failed", "partial", "skipped")]
+    from kvexp.recommend import recommendations
+
     return {
+        "recommendations": [r["sentence"] for r in recommendations(aggregate)],
         "title": title or aggregate.get("title") or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),

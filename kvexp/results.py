@@ -240,6 +240,7 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "source": source,
         "search": result.get("search"),
         "slo": slo_of(result),
+        "quality": result.get("quality"),
     }
 
 
@@ -292,6 +293,9 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         "calibration": calibration,
         "planner": planner,
     }
+    from kvexp.recommend import recommendations
+
+    agg["recommendations"] = recommendations(agg)
     validate_document(agg, "aggregate", where="aggregate")
     return agg
 
