@@ -117,3 +117,8 @@ def test_plan_gpu_h200_answers_and_a_bad_gpus_is_one_line():
     bad = _plan("--gpus", "h300")
     assert bad.returncode == 1
     assert bad.stderr.strip().startswith("kvexp: --gpus h300: no such GPU preset; allowed values are all, ")
+
+
+def test_plan_help_names_the_what_if():
+    p = _plan("--help")
+    assert p.returncode == 0 and "--gpus all|PRESET,..." in p.stdout and "gpu={a100-40gb,a100-80gb," in p.stdout
