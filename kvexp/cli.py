@@ -442,18 +442,40 @@ def cmd_report(argv: list[str]) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     from kvexp import calibration, helptext
-    from kvexp.summary import plan_table
+    from kvexp.summary import plan_table, whatif_table
 
     if helptext.wants_help(argv):
         print(helptext.plan_help())
         return 0
     try:
+        argv, gpus = whatif_args(argv)
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
-    print(plan_table(cfgs, calibration.load()))
+    table = calibration.load()
+    print(plan_table(cfgs, table))
+    if gpus or len({(c.gpu.name, c.gpu.memory_gib) for c in cfgs}) > 1:
+        print("What if: the same configurations on each GPU\n")
+        print(whatif_table(cfgs, table))
     return 0
+
+
+def whatif_args(argv: list[str]) -> tuple[list[str], bool]:
+    """`--gpus all|KEY,...` -> a gpu= override of those conf/gpu presets (True: a what-if was asked)."""
+    from kvexp import whatif
+
+    out, asked = list(argv), False
+    for i, a in enumerate(argv):
+        if a == "--gpus" or a.startswith("--gpus="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            keys = [g.key for g in whatif.parse_gpus(value, whatif.gpu_presets())]
+            drop = {i} if "=" in a else {i, i + 1}
+            out = [x for j, x in enumerate(argv) if j not in drop and not x.startswith("gpu=")]
+            out.append("gpu=" + ",".join(keys))
+            asked = True
+            break
+    return out, asked
 
 
 def cmd_results(argv: list[str]) -> int:

@@ -128,6 +128,13 @@ class ScenarioConfig:
     slo_ttft_ms: Optional[float] = None
     slo_tpot_ms: Optional[float] = None
     max_error_rate: float = 0.1  # a level above this error rate is marked failed
+    # SLO search (kvexp/search.py): concurrency | rate finds the highest level of the grid (the levels
+    # above, filled every search_resolution when set) whose slo_percentile TTFT/TPOT meet the objectives.
+    search: Optional[str] = None
+    slo_percentile: str = "p95"  # p50 | p95 | p99
+    search_resolution: Optional[float] = None
+    # stop ramping when throughput grows less than this over the previous level (null: never)
+    search_min_growth: Optional[float] = 0.05
 
 
 @dataclass
@@ -261,6 +268,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
              f"scenario.max_concurrency={s.max_concurrency}: must be >= 1 (or null for no cap)")
     _require(s.max_start_rate is None or s.max_start_rate > 0,
              f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
+    check_search(s)
     check_client(cfg.client)
     check_known_keys(cfg)
     check_ranges(cfg)
@@ -395,6 +403,26 @@ def check_fits_context(cfg: ExperimentConfig) -> None:
     where = f"backend.context={b.context}" + (f" over {slots} slots (backend.parallel)" if split else "")
     _require(need <= per_seq, f"scenario.prompt_tokens + scenario.max_tokens = {need} tokens do not fit the "
              f"{per_seq} tokens per sequence of {where}: raise backend.context or shorten the scenario")
+
+
+def check_search(s: ScenarioConfig) -> None:
+    """An SLO search needs its kind's levels, an objective, a known percentile and a positive step."""
+    _require(s.slo_percentile in ("p50", "p95", "p99"),
+             f"scenario.slo_percentile={s.slo_percentile!r}: allowed values are p50, p95, p99")
+    if s.search is None:
+        return
+    _require(s.search in ("concurrency", "rate"),
+             f"scenario.search={s.search!r}: allowed values are concurrency, rate (or null)")
+    levels = s.concurrency if s.search == "concurrency" else s.rates
+    _require(bool(levels) and (s.search == "rate" or not s.rates),
+             f"scenario.search={s.search}: give the grid to search as scenario.{'concurrency' if s.search == 'concurrency' else 'rates'}"
+             + (" (and no scenario.rates)" if s.search == "concurrency" else ""))
+    _require(s.slo_ttft_ms is not None or s.slo_tpot_ms is not None,
+             f"scenario.search={s.search}: give scenario.slo_ttft_ms and/or scenario.slo_tpot_ms to search against")
+    _require(s.search_min_growth is None or s.search_min_growth >= 0,
+             f"scenario.search_min_growth={s.search_min_growth}: must be >= 0 (or null: never stop on a plateau)")
+    _require(s.search_resolution is None or s.search_resolution > 0,
+             f"scenario.search_resolution={s.search_resolution}: must be > 0 (or null: the grid as given)")
 
 
 def check_client(c: ClientConfig) -> None:

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from kvexp import backends
+from kvexp import backends, noise
 from kvexp.levels import MAX_CV, MIN_REQUESTS, SPREAD_RATIO
 from kvexp.levels import WARNING_CODES as LEVEL_WARNING_CODES
 from kvexp.planner import KV_BYTES_PER_ELEMENT, kv_bytes_per_token
@@ -266,6 +266,16 @@ def _candidates(runs: list[dict], metric: str) -> dict[tuple[str, float], list[t
     return by_x
 
 
+def _level_at(run: dict, x: tuple[str, float]) -> Optional[dict]:
+    return next((lv for lv in sorted_levels(run) if level_x(lv) == x), None)
+
+
+def _verdict(run_a: dict, run_b: dict, x: tuple[str, float], metric: str) -> Optional["noise.Verdict"]:
+    """Whether two runs differ measurably at one level (kvexp/noise.py)."""
+    la, lb = _level_at(run_a, x), _level_at(run_b, x)
+    return None if la is None or lb is None else noise.compare(run_a, la, run_b, lb, metric)
+
+
 def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
     """At each concurrency (or rate) with two or more runs: the highest throughput, the lowest TTFT p95."""
     out: list[Finding] = []
@@ -280,13 +290,33 @@ def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
             (best, bv), (nxt, nv) = ranked[0], ranked[1]
             diff = _pct_change(bv, nv)
             diff_txt = f" ({_signed(diff)})" if diff is not None else ""
-            out.append(Finding(
-                kind, f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) has "
-                f"{what}, {format_value(metric, bv)} {unit}; next is {nxt.get('label')} ({run_kind(nxt)}), "
-                f"{format_value(metric, nv)} {unit}{diff_txt}.",
-                scenario, (str(best.get("label")), str(nxt.get("label"))),
-                {xk: x, metric: bv, "next": nv, "diff_pct": diff, "candidates": len(cands)}))
+            v = _verdict(best, nxt, (xk, x), metric)
+            numbers = {xk: x, metric: bv, "next": nv, "diff_pct": diff, "candidates": len(cands),
+                       **(v.numbers() if v else {})}
+            if v is not None and not v.measurable:
+                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) "
+                            f"and {nxt.get('label')} ({run_kind(nxt)}) show no measurable difference in "
+                            f"{what.split(' ', 2)[-1]}: {format_value(metric, bv)} vs {format_value(metric, nv)} "
+                            f"{unit} ({v.reason}).")
+            else:
+                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) has "
+                            f"{what}, {format_value(metric, bv)} {unit}; next is {nxt.get('label')} ({run_kind(nxt)}), "
+                            f"{format_value(metric, nv)} {unit}{diff_txt}" + (f", {v.phrase}." if v else "."))
+            out.append(Finding(kind, sentence, scenario, (str(best.get("label")), str(nxt.get("label"))), numbers))
     return out
+
+
+def _runner_up_peak(runs: list[dict], winner: dict) -> Optional[tuple[dict, dict, float]]:
+    """The highest-throughput level of any other run: (run, level, throughput)."""
+    best: Optional[tuple[dict, dict, float]] = None
+    for run in runs:
+        if run is winner:
+            continue
+        for lv in sorted_levels(run):
+            v = num(lv, "throughput_tok_s")
+            if v is not None and usable(run, lv) and level_x(lv) and (best is None or v > best[2]):
+                best = (run, lv, v)
+    return best
 
 
 def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
@@ -301,11 +331,21 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
     if peak is not None and len(runs) > 1:
         run, lv, v = peak
         xk, x = level_x(lv)  # type: ignore[misc]
+        tail, numbers = "", {"throughput_tok_s": v, xk: x}
+        second = _runner_up_peak(runs, run)
+        if second is not None:
+            r2, lv2, v2 = second
+            vd = noise.compare(run, lv, r2, lv2, "throughput_tok_s")
+            if vd is not None:
+                numbers.update(vd.numbers(), runner_up=str(r2.get("label")), runner_up_tok_s=v2)
+                x2k, x2 = level_x(lv2)  # type: ignore[misc]
+                tail = (f"; the runner-up, {r2.get('label')} ({run_kind(r2)}), {format_value('throughput_tok_s', v2)} "
+                        f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}, shows {vd.phrase}")
         out.append(Finding(
             "best_overall_throughput",
             f"{scenario}: the highest throughput overall is {run.get('label')} ({run_kind(run)}), "
-            f"{format_value('throughput_tok_s', v)} tok/s at {x_words(xk)} {fmt_x(xk, x)}.",
-            scenario, (str(run.get("label")),), {"throughput_tok_s": v, xk: x}))
+            f"{format_value('throughput_tok_s', v)} tok/s at {x_words(xk)} {fmt_x(xk, x)}{tail}.",
+            scenario, (str(run.get("label")),), numbers))
     by_x = _candidates(runs, "ttft_p95_ms")
     contested = {x: c for x, c in by_x.items() if len(c) >= 2}
     if contested:
@@ -329,6 +369,22 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
 def _kv_bytes(name: str, table: dict[str, float]) -> Optional[float]:
     key = name.lower()
     return table.get(name, KV_BYTES_PER_ELEMENT.get(_KV_ALIASES.get(key, key)))
+
+
+def _noise_tail(xk: str, pairs: list[tuple]) -> str:
+    """"; measurable at ..., no measurable difference at ... (basis)" for per-level comparisons."""
+    verdicts = [(x, vd) for x, *_, vd in pairs if vd is not None]
+    if not verdicts:
+        return ""
+    yes = [format_value(xk, x[1]) for x, vd in verdicts if vd.measurable]
+    no = [format_value(xk, x[1]) for x, vd in verdicts if not vd.measurable]
+    bases = {vd.basis for _, vd in verdicts}
+    basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else
+             f"a minimum effect of {noise.MIN_EFFECT * 100:.0f} % and the levels' dispersion" if bases == {"minimum effect"}
+             else "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")
+    parts = ([f"a measurable difference at {x_words(xk)} {', '.join(yes)}"] if yes else []) + (
+        [f"no measurable difference at {x_words(xk)} {', '.join(no)}"] if no else [])
+    return f"; {' and '.join(parts)} (against {basis})"
 
 
 def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float]] = None) -> list[Finding]:
@@ -355,20 +411,20 @@ def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float
                     x, v = level_x(lv), num(lv, "throughput_tok_s")
                     old = tb.get(x)
                     if x is not None and v is not None and old and usable(rn, lv):
-                        pairs.append((x, v, old, _pct_change(v, old)))
+                        pairs.append((x, v, old, _pct_change(v, old), _verdict(rn, rb, x, "throughput_tok_s")))
                 if not pairs:
                     continue
                 xk = pairs[0][0][0]
-                gains = ", ".join(_signed(g) for *_, g in pairs)
+                gains = ", ".join(_signed(g) for *_, g, _v in pairs)
                 xs = ", ".join(format_value(xk, x[1]) for x, *_ in pairs)
                 out.append(Finding(
                     "kv_gain",
                     f"{backend_name(backend)}, {scenario}: {new} KV changes throughput by {gains} over {base} KV "
-                    f"at {x_words(xk)} {xs} ({rn.get('label')} vs {rb.get('label')}).",
+                    f"at {x_words(xk)} {xs} ({rn.get('label')} vs {rb.get('label')}){_noise_tail(xk, pairs)}.",
                     scenario, (str(rn.get("label")), str(rb.get("label"))),
                     {"kv": new, "baseline_kv": base, "backend": backend,
-                     "levels": [{xk: x[1], "throughput_tok_s": v, "baseline_tok_s": o, "gain_pct": g}
-                                for x, v, o, g in pairs]}))
+                     "levels": [{xk: x[1], "throughput_tok_s": v, "baseline_tok_s": o, "gain_pct": g,
+                                 **(vd.numbers() if vd else {})} for x, v, o, g, vd in pairs]}))
     return out
 
 
@@ -719,7 +775,10 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
         xs = sorted({c for c in (num(lv, "concurrency") for lv in run.get("levels") or []) if c is not None})
         return tuple(PlanLevel(c, min(1.0, c * per_req / cap), c * per_req > cap) for c in xs)
 
-    cap, ccap = num(row, "predicted_tokens"), num(row, "calibrated_tokens")
+    from kvexp.recompute import kvexp_tokens  # the document's own figure only where kvexp cannot recompute it
+
+    mine = kvexp_tokens(row, aggregate)
+    cap, ccap = (mine if mine is not None else num(row, "predicted_tokens")), num(row, "calibrated_tokens")
     bpt = None
     pl = aggregate.get("planner") or {}
     arch = (pl.get("models") or {}).get(row.get("preset") or "")

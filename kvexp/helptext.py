@@ -112,18 +112,23 @@ Hydra's own options (--cfg job, --info, hydra/launcher=...) work as in any Hydra
 
 
 def plan_help() -> str:
-    return f"""usage: python -m kvexp plan [group=option ...] [group.key=value ...]
+    return f"""usage: python -m kvexp plan [group=option ...] [group.key=value ...] [--gpus all|PRESET,...]
 
 The KV-capacity planner's table for every job the overrides compose (comma lists expand as in a sweep):
 KV bytes per token, the KV capacity each backend would get, and the concurrency at which requests start
 to queue or be preempted; with the fitted overheads of ~/.cache/kvexp/calibration.json beside the
 uncalibrated figures. Nothing is launched.
 
+--gpus all|PRESET,...  what-if: the same jobs on each conf/gpu preset (also when gpu= names several):
+                       KV tokens and concurrent requests of the scenario that fit before preemption
+                       (vLLM) or queueing (llama.cpp, Ollama), uncalibrated and calibrated.
+
 config groups:
 {_groups()}
 
 example:
-  python -m kvexp plan model=qwen2.5-7b gpu=rtx5070ti kv=fp16,fp8 backend=vllm,llamacpp"""
+  python -m kvexp plan model=qwen2.5-7b gpu=rtx5070ti kv=fp16,fp8 backend=vllm,llamacpp
+  python -m kvexp plan model=qwen2.5-7b kv=fp16,fp8 backend=vllm --gpus l4,a100-80gb,h100"""
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -29,7 +29,7 @@ from markupsafe import Markup
 
 from kvexp import charts as C
 from kvexp import findings as F
-from kvexp import pdf
+from kvexp import backends, pdf, recompute, whatif
 from kvexp.markdown import md_code, md_escape
 from kvexp.paths import atomic_write
 from kvexp.planner import kv_bytes_per_token
@@ -515,7 +515,7 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
     if hidden:
         notes.append(f"KV-cache usage not exposed: {', '.join(hidden)}.")
     if planned and "calibration table" in sources:
-        notes.append("Planner lines derived from the calibration table's predicted capacity, assuming each request "
+        notes.append("Planner lines derived from the calibration table's inputs by kvexp's planner, assuming each request "
                      "holds prompt + max tokens.")
     return specs, notes
 
@@ -673,18 +673,78 @@ def _planner_view(agg: dict) -> dict:
             cols += [("calibrated_tokens", "Calibrated (tokens)", True),
                      ("calibrated_error_pct", "Calibrated error (%)", True)]
         cols = [c for c in cols if c[0] != "backend" or any(row.get("backend") for row in cal)]
+        checks = {c.index: c for c in recompute.check_document(agg)}
         rows = []
-        for row in cal:
+        for i, row in enumerate(cal):
             vals = dict(row)
             actual = vals.get("actual_tokens")
             for pred, err in (("predicted_tokens", "error_pct"), ("calibrated_tokens", "calibrated_error_pct")):
                 if vals.get(err) is None and F.is_num(vals.get(pred)) and F.is_num(actual) and actual:
                     vals[err] = (vals[pred] - actual) / actual * 100
-            rows.append([F.format_value(k, vals.get(k)) for k, _, _ in cols])
-        calibration = Table([h for _, h, _ in cols], rows, [n for _, _, n in cols], kind="wide")
+            rows.append([F.format_value(k, vals.get(k)) for k, _, _ in cols] + _check_cells(checks.get(i)))
+        calibration = Table([h for _, h, _ in cols] + list(CHECK_HEADERS), rows,
+                            [n for _, _, n in cols] + [True, True, False], kind="wide")
     return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
-            "calibration": calibration,
+            "calibration": calibration, "whatif": _whatif_view(agg),
             "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
+
+
+CHECK_HEADERS = ("kvexp planner (tokens)", "kvexp error (%)", "Document vs kvexp")
+
+
+def _check_cells(c: Optional[recompute.Check]) -> list[str]:
+    """kvexp's own prediction for a calibration row, its error, and whether the document agrees."""
+    if c is None or c.kvexp_tokens is None:
+        return ["—", "—", "not recomputed" + (f": {c.reason}" if c is not None and c.reason else "")]
+    verdict = ("agrees" if c.agrees else "no prediction in the document" if c.agrees is None
+               else f"DISAGREES: document {c.document_tokens:,}")
+    return [F.format_value("capacity_tokens", c.kvexp_tokens), F.format_value("error_pct", c.kvexp_error_pct),
+            verdict]
+
+
+def _whatif_configs(agg: dict) -> list[tuple[tuple, Optional[str]]]:
+    """What-if configurations of an aggregate with their scenario: every run's own planner block, and
+    every calibration row kvexp recomputed (with the prompt and output length of its runs)."""
+    out: dict[tuple, tuple[tuple, Optional[str]]] = {}
+    checks = [c for c in recompute.check_document(agg) if c.kvexp_tokens is not None]
+    for r in agg.get("runs") or []:
+        adapter = backends.find(recompute.run_name(r.get("backend")))
+        if adapter is None:
+            continue
+        p = r.get("planner")
+        configs = []
+        if isinstance(p, dict) and isinstance(p.get("inputs"), dict):
+            configs.append(whatif.from_plan(p, adapter.cache_model))
+        for c in checks:
+            if (c.backend == adapter.name and str(c.model) == str(r.get("model"))
+                    and recompute.run_kv(r) == c.kv_dtype and F.is_num(r.get("prompt_tokens"))):
+                inputs = {**c.inputs, "prompt_tokens": r["prompt_tokens"], "max_tokens": r.get("max_tokens") or 0}
+                configs.append((inputs, {}, adapter.cache_model, adapter.name))
+        for cfg in configs:
+            i = cfg[0]
+            key = (cfg[3], i.get("model"), i.get("kv_dtype"), i.get("prompt_tokens"), i.get("max_tokens"))
+            out.setdefault(key, (cfg, str(r.get("scenario"))))
+    return list(out.values())
+
+
+def _whatif_view(agg: dict) -> Optional[Table]:
+    """The what-if table: each configuration on each conf/gpu preset, with this machine's fitted
+    overheads (the calibration file; none when it cannot be read)."""
+    from kvexp import calibration as cal
+
+    configs = _whatif_configs(agg)
+    if not configs:
+        return None
+    try:
+        table = cal.load()
+    except cal.CalibrationError as e:
+        log.warning("%s", e)
+        table = None
+    rows = []
+    for g in whatif.gpu_presets():
+        for cfg, scen in configs:
+            rows.append(whatif.row_cells(whatif.what_if(cfg[0], cfg[1], cfg[2], g, table, backend=cfg[3]), scen))
+    return Table(list(whatif.HEADERS), rows, [False] * 6 + [True] * 3 + [False] + [True] * 3, kind="wide")
 
 
 _FINDING_GROUPS = (
@@ -778,6 +838,10 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     findings = F.compute_findings(aggregate)
     warnings = F.level_warnings(aggregate)
     groups = []
+    checks = recompute.check_document(aggregate)
+    if checks:
+        groups.append({"name": "Planner predictions, recomputed by kvexp",
+                       "sentences": [c.sentence for c in sorted(checks, key=lambda c: c.agrees is not False)]})
     for name, kinds in _FINDING_GROUPS:
         items = [f.sentence for f in findings if f.kind in kinds]
         if items:
@@ -785,7 +849,10 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     failures = [{"label": str(r.get("label")), "status": F.run_status(r), "scenario": str(r.get("scenario")),
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if F.run_status(r) in ("failed", "partial", "skipped")]
+    from kvexp.recommend import recommendations
+
     return {
+        "recommendations": [r["sentence"] for r in recommendations(aggregate)],
         "title": title or aggregate.get("title") or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),

@@ -12,7 +12,7 @@ import socket
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from kvexp import __version__, machine
 from kvexp.paths import atomic_write
@@ -273,7 +273,18 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "planner": result.get("planner"),
         "quality": result.get("quality"),
         "source": source,
+        "search": result.get("search"),
+        "slo": slo_of(result),
     }
+
+
+def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The job's latency objectives ({slo_ttft_ms, slo_tpot_ms, percentile}; None when it set none)."""
+    s = (result.get("config") or {}).get("scenario") or {}
+    if s.get("slo_ttft_ms") is None and s.get("slo_tpot_ms") is None:
+        return None
+    return {"slo_ttft_ms": s.get("slo_ttft_ms"), "slo_tpot_ms": s.get("slo_tpot_ms"),
+            "percentile": s.get("slo_percentile") or "p95"}
 
 
 def collect(paths: Iterable[Path]) -> dict[str, Any]:
@@ -316,6 +327,9 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         "calibration": calibration,
         "planner": planner,
     }
+    from kvexp.recommend import recommendations
+
+    agg["recommendations"] = recommendations(agg)
     validate_document(agg, "aggregate", where="aggregate")
     return agg
 

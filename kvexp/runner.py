@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import backends, prompts, stats
+from kvexp import backends, prompts, search, stats
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
@@ -117,6 +117,8 @@ class Job:
     def plan(self) -> list[tuple[str, float]]:
         """The scenario's levels in order: (kind, value), kind concurrency or rate."""
         s = self.cfg.scenario
+        if s.search:  # the grid an SLO search moves on (kvexp/search.py)
+            return [(s.search, int(x) if s.search == "concurrency" else x) for x in search.scenario_grid(s)]
         return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
 
     def save(self) -> None:
@@ -314,7 +316,9 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
             res["timing"]["warmup_s"] = round(time.monotonic() - tw, 3)
             tm = time.monotonic()
-            for kind, value in job.plan:
+            obj = search.objectives(s)
+            searcher = search.Search(obj, search.scenario_grid(s), lambda: res["levels"]) if obj else None
+            for kind, value in searcher or job.plan:
                 if value in job.kept:
                     continue  # finished by an earlier run of this job (resume)
                 for repeat in range(s.repeats):
@@ -325,6 +329,9 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
                     raise_if_hung(summary)
             _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
+            if searcher is not None and searcher.step is not None:
+                res["search"] = search.result_block(searcher.step, obj, searcher.candidates,
+                                                    res["timing"]["measure_s"])
         finally:
             sampler.stop()
             gauges.stop()

@@ -267,3 +267,40 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
     legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "
               "(more queue). Levels: concurrency: predicted KV usage.")
     return "\n".join(lines + ["", legend, ""] + notes) + "\n"
+
+
+def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
+    """The what-if table of `kvexp plan` over several GPUs: for each config (its gpu= preset), the KV
+    tokens and the concurrent requests of its scenario that fit before preemption or queueing,
+    uncalibrated and with the overhead this machine measured (kvexp/whatif.py)."""
+    from kvexp import backends, prediction, whatif
+
+    archs: dict[tuple[str, str], Any] = {}
+    rows: list[tuple[dict[str, Any], Optional[str]]] = []
+    problems: list[str] = []
+    for cfg in cfgs:
+        if cfg.kv.per_backend.get(cfg.backend.name) is None:
+            continue  # the plan table above says why
+        try:
+            spec = backends.create(cfg, locate=False).spec
+            key = (cfg.model.name, cfg.backend.name)
+            if key not in archs:
+                archs[key] = prediction.model_arch(cfg, spec)
+            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+        except (ConfigError, ValueError):
+            continue
+        gpu = whatif.GPUPreset(cfg.gpu.name or "auto", cfg.gpu.name, cfg.gpu.memory_gib)
+        inputs, sources, cache, backend = whatif.from_plan(p, spec.cache)
+        row = whatif.what_if(inputs, sources, cache, gpu, calibration, backend=backend)
+        rows.append((row, cfg.scenario.name))
+        if inputs.get("weights_gib") is None:
+            note = f"- {cfg.model.name}/{cfg.backend.name}: weights unknown (set model.weights_gib or the model's file)"
+            if note not in problems:
+                problems.append(note)
+        if gpu.memory_gib is None:
+            note = f"- gpu={gpu.key}: memory unknown (NVML saw no GPU; choose a preset or gpu.memory_gib)"
+            if note not in problems:
+                problems.append(note)
+    rows.sort(key=lambda rs: (rs[0]["gpu_gib"] or 0, rs[0]["model"] or "", rs[0]["backend"], str(rs[0]["kv_dtype"]),
+                              rs[1] or ""))
+    return whatif.markdown_table(rows) + ("\n" + "\n".join(problems) + "\n" if problems else "")

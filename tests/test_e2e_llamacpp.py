@@ -48,6 +48,11 @@ def test_files_validate(sweep):
         assert (d / "server.log").stat().st_size > 0
     assert check_file(sweep_dir / "sweep.json") == []
     assert "| llamacpp-tiny-q8_0-smoke |" in (sweep_dir / "summary.md").read_text()
+    (rec,) = json.loads((sweep_dir / "sweep.json").read_text())["recommendations"]  # one scenario, no SLO
+    assert rec["scenario"] == "smoke" and rec["slo"] is None and rec["best"]["label"].startswith("llamacpp-tiny-")
+    assert "## Recommendation\n\n- smoke, no latency objective set" in (sweep_dir / "summary.md").read_text()
+    report = (sweep_dir / "report" / "report.md").read_text()
+    assert report.index("## Recommendation") < report.index("## Findings")
 
 
 def test_kv_types_are_the_servers_own(sweep):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,8 @@ def test_parallel_layout_is_the_same_document(html, whole, workers, method, monk
     a, b = pages_text(whole), pages_text(parts)
     assert len(a) == len(b) >= 5
     assert a == b  # every page's text, its footer's title and "n/N" too
-    assert f"{len(a)}/{len(a)}" in b[-1].split()
+    # the footer is "n / N"; text extraction keeps or drops the thin spaces depending on the digits
+    assert f"{len(a)}/{len(a)}" in re.sub(r"\s*/\s*", "/", b[-1]).split()
     assert outline(parts) == outline(whole) and outline(whole)[0][0] == 0
     assert [d for d, *_ in outline(whole)].count(0) == 1  # one root: the title, every section under it
     import pypdf

@@ -330,3 +330,25 @@ def test_gpu_presets():
     assert (rtx.name, rtx.memory_gib) == ("NVIDIA GeForce RTX 5070 Ti", 15.92) == (REF["gpu"], REF["gpu_gib"])
     h200 = OmegaConf.load(ROOT / "conf" / "gpu" / "h200.yaml")
     assert h200.name == "NVIDIA H200" and h200.memory_gib == round(143771 / 1024, 2)
+
+
+GPU_PRESETS = {"l4": "NVIDIA L4", "l40s": "NVIDIA L40S", "a100-40gb": "NVIDIA A100-SXM4-40GB",
+               "a100-80gb": "NVIDIA A100-SXM4-80GB", "h100": "NVIDIA H100 80GB HBM3",
+               "h200": "NVIDIA H200", "rtx4090": "NVIDIA GeForce RTX 4090",
+               "rtx5070ti": "NVIDIA GeForce RTX 5070 Ti"}
+
+
+@pytest.mark.parametrize("preset", sorted(GPU_PRESETS))
+def test_every_gpu_preset_states_nvmls_mib_and_converts_it_like_nvml(preset):
+    """Each preset's comment quotes NVML's total in MiB; memory_gib is that / 1024 to two places, and
+    the name is NVML's own spelling (what calibration entries are keyed by)."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    path = ROOT / "conf" / "gpu" / f"{preset}.yaml"
+    mib = re.search(r"NVML reports (\d+) MiB", path.read_text().splitlines()[0])
+    assert mib, f"{path.name}: first line must state 'NVML reports N MiB' and its source"
+    y = OmegaConf.load(path)
+    assert y.name == GPU_PRESETS[preset]
+    assert y.memory_gib == round(int(mib.group(1)) / 1024, 2)
