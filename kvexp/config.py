@@ -42,6 +42,14 @@ class Unsupported(StrEnum):
     skip = "skip"
 
 
+class DistKind(StrEnum):
+    fixed = "fixed"
+    uniform = "uniform"
+    normal = "normal"
+    lognormal = "lognormal"
+    histogram = "histogram"
+
+
 class EventLoop(StrEnum):
     auto = "auto"
     asyncio = "asyncio"
@@ -102,6 +110,34 @@ class KVConfig:
 
 
 @dataclass
+class LengthDist:
+    """How the lengths of a scenario's prompts or outputs spread around the scenario's own figure
+    (prompt_tokens or max_tokens, "the centre"): fixed (every request the centre), uniform over
+    [min, max], normal with mean the centre and std, lognormal with median the centre and sigma (of
+    the log), or an empirical histogram (lengths `bins` drawn with `weights`). normal and lognormal
+    are clipped to [min, max], which they must give. Sampled seeded (scenario.seed) in kvexp/workload.py."""
+
+    kind: DistKind = DistKind.fixed
+    min: Optional[int] = None
+    max: Optional[int] = None
+    std: Optional[float] = None
+    sigma: Optional[float] = None
+    bins: list[int] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ConversationConfig:
+    """Multi-turn conversations: with turns > 1 each of a level's `requests` is a conversation of this
+    many turns; every turn sends the whole history (earlier prompts and the server's own answers)
+    plus a new user message of a prompt length, after a think time (exponential with this mean,
+    seeded; 0: none). A level's concurrency is the number of conversations in flight."""
+
+    turns: int = 1
+    think_time_s: float = 0.0
+
+
+@dataclass
 class ScenarioConfig:
     name: str = MISSING
     # speed: measure the levels below; quality: no speed levels, only the quality measurement
@@ -109,6 +145,27 @@ class ScenarioConfig:
     kind: str = "speed"
     prompt_tokens: int = MISSING
     max_tokens: int = MISSING
+    # The user's traffic (kvexp/workload.py): length distributions around prompt_tokens / max_tokens,
+    # shared prefixes, multi-turn conversations, a dataset of prompts or a timed trace to replay.
+    prompt_dist: LengthDist = field(default_factory=LengthDist)
+    output_dist: LengthDist = field(default_factory=LengthDist)
+    # each request starts with one of prefix_groups shared prefixes of prefix_tokens tokens (part of
+    # its prompt length), then its own unique part; which group is seeded
+    prefix_tokens: int = 0
+    prefix_groups: int = 1
+    conversation: ConversationConfig = field(default_factory=ConversationConfig)
+    # a JSONL of prompts or conversations ({"messages": [...]}, ShareGPT's {"conversations": [...]} or
+    # {"prompt": "..."}); "@name" is one kvexp ships (kvexp/datasets/). A level sends `requests` of
+    # them in file order (cycling); prompts over prompt_tokens tokens are left out and counted.
+    dataset: Optional[str] = None
+    # a timed trace (Mooncake's JSONL: timestamp ms, input_length, output_length, hash_ids): one
+    # open-loop level replays its first `requests` rows at their own times x time_scale
+    trace: Optional[str] = None
+    time_scale: float = 1.0
+    trace_block_tokens: int = 512  # tokens per hash id (Mooncake: 512)
+    # reset the server's prefix cache before each level where the backend allows it (the result says
+    # what was done), so one level cannot warm the next
+    reset_cache: bool = True
     concurrency: list[int] = field(default_factory=list)
     # Open-loop levels (requests/s); used instead of concurrency when non-empty.
     rates: list[float] = field(default_factory=list)
@@ -256,7 +313,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.warmup_requests >= 0, f"scenario.warmup_requests={s.warmup_requests}: must be >= 0")
     _require(s.repeats >= 1, f"scenario.repeats={s.repeats}: must be >= 1")
     _require(s.kind in ("speed", "quality"), f"scenario.kind={s.kind!r}: allowed values are speed, quality")
-    _require(s.kind == "quality" or bool(s.concurrency) or bool(s.rates),
+    _require(s.kind == "quality" or bool(s.concurrency) or bool(s.rates) or bool(s.trace),
              f"scenario {s.name}: give scenario.concurrency (e.g. [1,4,16]) or scenario.rates")
     _require(all(c >= 1 for c in s.concurrency),
              f"scenario.concurrency={list(s.concurrency)}: every level must be an integer >= 1")
@@ -269,6 +326,9 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.max_start_rate is None or s.max_start_rate > 0,
              f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
     check_search(s)
+    from kvexp import workload
+
+    workload.check_scenario(s)
     check_client(cfg.client)
     check_known_keys(cfg)
     check_ranges(cfg)
@@ -397,11 +457,15 @@ def check_fits_context(cfg: ExperimentConfig) -> None:
     per_seq = spec.context_per_seq_tokens
     if per_seq is None:
         return
-    need = s.prompt_tokens + s.max_tokens
+    from kvexp import workload
+
+    need = workload.longest_sequence(s)
     slots = spec.slots or 1
     split = per_seq < (spec.context_tokens or per_seq)
     where = f"backend.context={b.context}" + (f" over {slots} slots (backend.parallel)" if split else "")
-    _require(need <= per_seq, f"scenario.prompt_tokens + scenario.max_tokens = {need} tokens do not fit the "
+    what = ("scenario.prompt_tokens + scenario.max_tokens" if workload.kind(s) == "synthetic" and need ==
+            s.prompt_tokens + s.max_tokens else "the scenario's longest request (prompt and output)")
+    _require(need <= per_seq, f"{what} = {need} tokens do not fit the "
              f"{per_seq} tokens per sequence of {where}: raise backend.context or shorten the scenario")
 
 

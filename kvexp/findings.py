@@ -25,7 +25,7 @@ SATURATION_TPUT_GROWTH = 0.10  # throughput grows less than this between two lev
 SATURATION_TTFT_GROWTH = 0.50  # ... while TTFT p50 grows more than this: requests queue
 
 # KV figures a backend may not expose: null means "not exposed", never 0.
-EXPOSURE_KEYS = ("peak_kv_cache_usage", "preemptions")
+EXPOSURE_KEYS = ("peak_kv_cache_usage", "preemptions", "prefix_cache.hit_rate")
 
 # Short spellings seen in other tools' labels, beside planner.KV_BYTES_PER_ELEMENT's.
 _KV_ALIASES = {"q8": "q8_0", "q4": "q4_0", "auto": "fp16"}
@@ -62,7 +62,7 @@ def level_value(level: dict, key: str) -> Any:
     if not dot:
         return level.get(key)
     inner = level.get(head)
-    return inner.get(rest) if isinstance(inner, dict) else None
+    return level_value(inner, rest) if isinstance(inner, dict) else None
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def usable(run: dict, level: dict) -> bool:
 
 def exposes(run: dict, key: str) -> bool:
     """Whether any level of the run carries `key` (KV usage and preemptions are often not exposed)."""
-    return any(is_num(lv.get(key)) for lv in run.get("levels") or [])
+    return any(is_num(level_value(lv, key)) for lv in run.get("levels") or [])
 
 
 def scenarios(aggregate: dict) -> list[tuple[str, list[dict]]]:
@@ -187,7 +187,8 @@ _INT_KEYS = {"concurrency", "requests", "errors", "blocks", "block_size", "capac
              "prompt_tokens", "max_tokens", "predicted_tokens", "actual_tokens", "calibrated_tokens",
              "output_tokens", "max_running", "max_waiting", "kv_usage_samples", "n", "kv_bytes_per_token",
              "tokens"}
-_PCT_KEYS = {"peak_kv_cache_usage", "cv", "predicted_kv_usage", "gpu_memory_utilization", "multi_token_chunk_share"}
+_PCT_KEYS = {"peak_kv_cache_usage", "cv", "predicted_kv_usage", "gpu_memory_utilization", "multi_token_chunk_share",
+             "hit_rate"}
 
 
 def format_value(key: str, v: Any) -> str:

@@ -101,12 +101,19 @@ class Level:
     server: Optional[dict[str, Any]] = None
     delivery: Optional[dict[str, Any]] = None
     kv_usage_sampled_peak: Optional[float] = None  # set when preemptions prove a higher peak than sampled
+    # the workload as asked and as the server counted it (stats.workload_view), the server's prefix
+    # cache over the level (Adapter.prefix_cache), whether it was reset before, and per-turn figures
+    workload: Optional[dict[str, Any]] = None
+    prefix_cache: Optional[dict[str, Any]] = None
+    cache_reset: Optional[dict[str, Any]] = None
+    turns: Optional[list[dict[str, Any]]] = None
     warnings: list[LevelWarning] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["warnings"] = [w.to_json() for w in self.warnings]
-        for key in ("achieved_rate", "scheduled_rate", "status_reason", "repeats", "kv_usage_sampled_peak"):
+        for key in ("achieved_rate", "scheduled_rate", "status_reason", "repeats", "kv_usage_sampled_peak",
+                    "cache_reset", "turns"):
             if out[key] is None:  # only where they apply (open loop, a failed level, the last repeat)
                 del out[key]
         return out
@@ -121,14 +128,14 @@ def kv_peak(sampled: Optional[float], preemptions: Optional[float]) -> tuple[Opt
     return sampled, None
 
 
-def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output_lengths: Sequence[Optional[int]],
-                   prompt_tokens: int, max_tokens: int, forced: bool,
+def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                    client_limits: Sequence[str] = (), predicted_kv_usage: Optional[float] = None,
                    held_back_by: Optional[str] = None) -> list[LevelWarning]:
-    """What qualifies a level's numbers. prompt/output_lengths: the realised lengths of its successful
-    requests (checked against the scenario's only where the backend forces them); predicted_kv_usage:
-    the planner's prediction for this level, the truth its measured KV usage is checked against;
-    held_back_by: what the scenario itself caps an open loop with (max_concurrency, max_start_rate)."""
+    """What qualifies a level's numbers. done: its successful requests (loadgen.RequestRecord), whose
+    realised lengths are checked against the ones each asked, where the backend forces them (a prompt
+    only where its length was exact by construction); predicted_kv_usage: the planner's prediction for
+    this level, the truth its measured KV usage is checked against; held_back_by: what the scenario
+    itself caps an open loop with (max_concurrency, max_start_rate)."""
     w: list[LevelWarning] = []
     if level.errors:
         w.append(LevelWarning("errors", f"{level.errors} of {level.requests} requests failed",
@@ -137,14 +144,17 @@ def level_warnings(level: Level, prompt_lengths: Sequence[Optional[int]], output
         w.append(LevelWarning("few_requests", f"only {level.requests} requests: percentiles are rough",
                               {"requests": level.requests, "min_requests": MIN_REQUESTS}))
     if forced:
-        bad_prompt = sum(1 for n in prompt_lengths if n is not None and n != prompt_tokens)
-        if bad_prompt:
-            w.append(LevelWarning("prompt_length", f"{bad_prompt} requests had a prompt length other than "
-                                  f"{prompt_tokens} tokens", {"requests": bad_prompt, "asked": prompt_tokens}))
-        bad_out = sum(1 for n in output_lengths if n != max_tokens)
-        if bad_out:
-            w.append(LevelWarning("output_length", f"{bad_out} requests produced other than {max_tokens} "
-                                  "output tokens", {"requests": bad_out, "asked": max_tokens}))
+        prompt = [(r.prompt_tokens, r.target_prompt_tokens) for r in done
+                  if r.target_prompt_tokens is not None and r.prompt_tokens is not None]
+        output = [(r.output_tokens, r.max_tokens) for r in done if r.max_tokens is not None]
+        for code, pairs, what in (("prompt_length", prompt, "a prompt length"), ("output_length", output,
+                                                                                  "an output length")):
+            bad = [asked for got, asked in pairs if got != asked]
+            if bad:
+                asked = sorted({a for _, a in pairs})
+                said = f"{asked[0]} tokens" if len(asked) == 1 else "the one it asked for"
+                w.append(LevelWarning(code, f"{len(bad)} requests had {what} other than {said}",
+                                      {"requests": len(bad), "asked": asked[0] if len(asked) == 1 else None}))
     p50, p95 = level.ttft_p50_ms, level.ttft_p95_ms
     if p50 and p95 and p95 > SPREAD_RATIO * p50:
         w.append(LevelWarning("ttft_spread", f"wide TTFT spread: p95 {p95:.1f} ms is over {SPREAD_RATIO:g}x "

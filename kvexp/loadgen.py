@@ -42,7 +42,8 @@ ERROR_KINDS = ("timeout", "http_status", "connection", "protocol")
 STREAMS_PER_WORKER = 64  # workers=auto: one worker process per this many concurrent streams
 PROGRESS_INTERVAL_S = 0.25  # how often a worker reports finished requests to the parent
 WORKER_START_TIMEOUT_S = 120.0
-ABANDON_GRACE_S = 0.5  # workers of a level cut short get this long to stop before they are killed
+ABANDON_GRACE_S = 0.5
+SPIN_S = 0.002  # a scheduled start's last stretch, waited by yielding rather than by a timer  # workers of a level cut short get this long to stop before they are killed
 
 
 @dataclass
@@ -67,13 +68,22 @@ class RequestRecord:
     error_kind: Optional[str] = None  # timeout | http_status | connection | protocol
     error: Optional[str] = None
     server_timings: Optional[dict[str, float]] = None
+    # where the request came from in the workload (kvexp/workload.py; None: not applicable)
+    prefix_group: Optional[int] = None  # which shared prefix it starts with
+    conversation: Optional[int] = None  # multi-turn: its conversation and turn (0-based)
+    turn: Optional[int] = None
+    source_line: Optional[int] = None  # the dataset or trace line it was built from
+    # the generated text, kept only when a later turn sends it back as history (never written out)
+    text: Optional[list[str]] = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
         return self.error_kind is None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["text"]
+        return out
 
 
 class Streamer(Protocol):
@@ -91,6 +101,17 @@ class Observer(Protocol):
     def level_started(self, level: float, total: int, repeat: int) -> None: ...
     def request_done(self, record: RequestRecord) -> None: ...
     def level_done(self, level: float, summary: dict[str, Any]) -> None: ...
+
+
+class Conversation(Protocol):
+    """A multi-turn conversation the load generator plays (kvexp/traffic.py builds them): `turn(t,
+    previous)` builds turn t's request from the turns before it (previous: turn t-1's record, with its
+    generated text); `think_s[t]` is the pause after turn t-1 ends before turn t is due."""
+
+    turns: int
+    think_s: list[float]
+
+    async def turn(self, t: int, previous: Optional[RequestRecord]) -> tuple[Request, RequestRecord]: ...
 
 
 class NullObserver:
@@ -176,6 +197,16 @@ class LoadGenerator:
     def now(self) -> float:
         return time.perf_counter() - self.origin
 
+    async def until(self, t: float) -> None:
+        """Wait until time t on this run's clock. The event loop's timers wake up to a millisecond late
+        (epoll and libuv count milliseconds), so the last SPIN_S are waited by yielding to the loop
+        (other requests' streams go on meanwhile) instead of by a timer."""
+        delay = t - self.now()
+        if delay > SPIN_S:
+            await asyncio.sleep(delay - SPIN_S)
+        while self.now() < t:
+            await asyncio.sleep(0)
+
     async def send(self, req: Request, rec: RequestRecord, data: Optional[bytes] = None) -> RequestRecord:
         """Send one streaming request and time it. Never raises for a failed request. `data` is the
         request body already encoded (pre_encode), so that encoding stays off the measured path."""
@@ -187,6 +218,7 @@ class LoadGenerator:
         origin = self.origin
         saw_done = False
         times = rec.token_times_s
+        keep = rec.text
         wrote: list[float] = []  # TimedRequest notes when the request went out
         token = _SENT.set(wrote)
         rec.sent_s = perf() - origin
@@ -227,6 +259,8 @@ class LoadGenerator:
                                 if rec.first_token_s is None:
                                     rec.first_token_s = t
                                 times.append(t)
+                                if keep is not None:
+                                    keep.append(ev.text)
                             if ev.prompt_tokens is not None:
                                 rec.prompt_tokens = ev.prompt_tokens
                             if ev.output_tokens is not None:
@@ -278,6 +312,32 @@ class LoadGenerator:
         await asyncio.gather(*(stream() for _ in range(min(concurrency, len(requests)))))
         return [rec for _, rec in requests]
 
+    async def conversation_loop(self, conversations: Sequence[Conversation], concurrency: int) -> list[RequestRecord]:
+        """`concurrency` streams; each plays its next conversation turn by turn: turn t is built once
+        turn t-1 has ended (during the think time) and is due think_s[t] after that end, so time spent
+        building it beyond the think time is client-side queueing. A failed turn ends its
+        conversation (the turns after it are not sent)."""
+        queue = list(reversed(range(len(conversations))))
+        records: list[RequestRecord] = []
+
+        async def stream() -> None:
+            while queue:
+                conv = conversations[queue.pop()]
+                previous: Optional[RequestRecord] = None
+                for t in range(conv.turns):
+                    due = None if previous is None else previous.done_s + conv.think_s[t]
+                    req, rec = await conv.turn(t, previous)
+                    if due is not None:
+                        await self.until(due)
+                        rec.scheduled_s = due
+                    records.append(await self.send(req, rec))
+                    if not rec.ok:
+                        break
+                    previous = rec
+
+        await asyncio.gather(*(stream() for _ in range(min(concurrency, len(conversations)))))
+        return records
+
     async def open_loop(self, requests: Sequence[tuple[Request, RequestRecord]],
                         offsets_s: Sequence[float], max_concurrency: Optional[int] = None,
                         throttle: Any = None, bodies: Optional[Sequence[bytes]] = None,
@@ -294,9 +354,7 @@ class LoadGenerator:
         async def one(i: int, offset: float) -> None:
             req, rec = requests[i]
             rec.scheduled_s = start + offset
-            delay = rec.scheduled_s - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await self.until(rec.scheduled_s)
             if throttle is not None:
                 async with throttle:
                     pass
@@ -344,13 +402,22 @@ class LoadGenerator:
                         max_start_rate: Optional[float]) -> LevelRun:
         bodies = [pre_encode(r) for r, _ in requests]
         throttle = start_throttle(max_start_rate)
+        if concurrency is not None:
+            return await self.measured(self.closed_loop(requests, concurrency, throttle, bodies))
+        assert offsets_s is not None
+        return await self.measured(self.open_loop(requests, offsets_s, max_concurrency, throttle, bodies))
+
+    async def run_conversations(self, conversations: Sequence[Conversation], concurrency: int) -> LevelRun:
+        """A multi-turn level, on this event loop (each turn is built from the server's answer to the
+        one before, through the adapter: it cannot be sharded over worker processes)."""
+        return await self.measured(self.conversation_loop(conversations, concurrency))
+
+    async def measured(self, sending: Any) -> LevelRun:
+        """Await `sending` (a coroutine returning the level's records) on this event loop, measuring
+        the loop's wake-up lag and the process's CPU while it runs."""
         cpu0, t0 = time.process_time(), time.perf_counter()
         with LoopLagMonitor() as lag:
-            if concurrency is not None:
-                records = await self.closed_loop(requests, concurrency, throttle, bodies)
-            else:
-                assert offsets_s is not None
-                records = await self.open_loop(requests, offsets_s, max_concurrency, throttle, bodies)
+            records = await sending
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
         return LevelRun(records=records, workers=1, in_process=True, event_loop=loop_name(),
                         loop_lag_p99_ms=lag.p99_ms(), cpu_util=[round(cpu / wall, 3) if wall > 0 else 0.0],

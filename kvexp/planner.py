@@ -76,6 +76,7 @@ class CacheModel:
     default_context: Optional[Callable[[Optional[float], Optional[int]], int]] = None
     default_block_size: Optional[int] = None
     reserved_blocks: int = 0  # blocks of the pool no request can use (vLLM keeps one null block)
+    shares_prefixes: bool = False  # paged: running requests share the full blocks of a common prefix
 
 
 @dataclass(frozen=True)
@@ -218,12 +219,15 @@ def max_concurrency(capacity_tokens: int, request_tokens: int, block_size: Optio
 
 
 def kv_usage(running: int, capacity_tokens: int, request_tokens: int,
-             block_size: Optional[int] = None) -> Optional[float]:
-    """min(1, running x request / capacity), in whole blocks where block_size is given."""
+             block_size: Optional[int] = None, shared_tokens: int = 0, groups: int = 1) -> Optional[float]:
+    """min(1, running x request / capacity), in whole blocks where block_size is given. shared_tokens:
+    a prefix of that many tokens, one of `groups`, that running requests share (prefix caching): its
+    full blocks are held once per group in use, not once per request."""
     if capacity_tokens <= 0:
         return None
     if block_size:
-        used = running * blocks_per_request(request_tokens, block_size)
+        shared = shared_tokens // block_size
+        used = running * (blocks_per_request(request_tokens, block_size) - shared) + min(groups, running) * shared
         return min(1.0, used / (capacity_tokens // block_size))
     return min(1.0, running * request_tokens / capacity_tokens)
 
@@ -253,7 +257,8 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
              gpu_memory_utilization: float | None = None, context: int | None = None,
              parallel: int | None = None, block_size: int | None = None,
              overhead_gib: float | None = None, calibrated_overhead_gib: float | None = None,
-             kv_cache_memory_bytes: int | None = None, unified_kv: bool = False) -> dict[str, Any]:
+             kv_cache_memory_bytes: int | None = None, unified_kv: bool = False,
+             shared_prefix_tokens: int = 0, prefix_groups: int = 1) -> dict[str, Any]:
     """The JSON-ready planner block of one job. Keys (stable; None where unknown):
 
     kv_bytes_per_element, kv_bytes_per_token
@@ -293,6 +298,8 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
     bpt = kv_bytes_per_token(arch.n_layers, arch.n_kv_heads, arch.head_dim, bpe)
     overhead = given("overhead_gib", overhead_gib, DEFAULT_OVERHEAD_GIB, "default (reference planner)")
     request_tokens = prompt_tokens + max_tokens
+    # prefix caching holds a shared prefix once per group (paged caches that share blocks)
+    shared = shared_prefix_tokens if paged and cache.shares_prefixes else 0
     weights = arch.weights_gib
     util = bs = None
     if paged:
@@ -354,7 +361,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         rows = []
         for c in levels:
             running = c if slots is None else min(c, slots)
-            usage = None if cap is None else kv_usage(running, usable, request_tokens, bs)
+            usage = None if cap is None else kv_usage(running, usable, request_tokens, bs, shared, prefix_groups)
             rows.append({
                 "concurrency": c,
                 "predicted_kv_usage": None if usage is None else round(usage, 4),
@@ -422,6 +429,9 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "parallel": slots,
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
+            "shared_prefix_tokens": shared_prefix_tokens,
+            "prefix_groups": prefix_groups,
+            "prefix_shared_in_cache": bool(shared),
         },
         "sources": sources,
     }
@@ -446,7 +456,8 @@ def reference_planner_block(kv_dtypes: tuple[str, ...] = ("auto", "fp8")) -> dic
 
 
 def plan(arch: ModelArch, spec: "ServerSpec", gpu_gib: Optional[float], *, prompt_tokens: int,
-         max_tokens: int, levels: list[int], calibrated_overhead_gib: Optional[float] = None) -> dict[str, Any]:
+         max_tokens: int, levels: list[int], calibrated_overhead_gib: Optional[float] = None,
+         shared_prefix_tokens: int = 0, prefix_groups: int = 1) -> dict[str, Any]:
     """plan_job for the server an adapter resolved (kvexp/backends): the slots, context, KV dtype,
     block size and KV budget the planner uses are the ones in the launch argv/env, and `sources` says
     where the adapter took each from."""
@@ -454,6 +465,7 @@ def plan(arch: ModelArch, spec: "ServerSpec", gpu_gib: Optional[float], *, promp
                    max_tokens=max_tokens, levels=levels, gpu_memory_utilization=spec.gpu_memory_utilization,
                    context=spec.context_tokens, parallel=spec.slots, block_size=spec.block_size,
                    calibrated_overhead_gib=calibrated_overhead_gib, kv_cache_memory_bytes=spec.kv_budget_bytes,
-                   unified_kv=spec.unified_kv)
+                   unified_kv=spec.unified_kv, shared_prefix_tokens=shared_prefix_tokens,
+                   prefix_groups=prefix_groups)
     out["sources"].update(dict(spec.sources))
     return out

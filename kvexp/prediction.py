@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from kvexp import modelinfo, planner
+from kvexp import modelinfo, planner, workload
 from kvexp.backends.base import ServerSpec
 from kvexp.calibration import lookup_overhead_gib
 from kvexp.config import ExperimentConfig
@@ -36,9 +36,19 @@ def predict(cfg: ExperimentConfig, spec: ServerSpec, *, gpu_name: Optional[str] 
     gpu = gpu_gib if gpu_gib is not None else cfg.gpu.memory_gib
     cal = lookup_overhead_gib(calibration, spec.backend, gpu_name or cfg.gpu.name,
                               planner.canonical_kv_dtype(spec.kv_backend_dtype, arch.dtype_bytes))
-    out = planner.plan(arch, spec, gpu, prompt_tokens=cfg.scenario.prompt_tokens,
-                       max_tokens=cfg.scenario.max_tokens, levels=scenario_levels(cfg),
-                       calibrated_overhead_gib=cal)
+    s = cfg.scenario
+
+    def plan(lengths: tuple[float, float]) -> dict[str, Any]:
+        return planner.plan(arch, spec, gpu, prompt_tokens=round(lengths[0]), max_tokens=round(lengths[1]),
+                            levels=scenario_levels(cfg), calibrated_overhead_gib=cal,
+                            shared_prefix_tokens=s.prefix_tokens, prefix_groups=s.prefix_groups)
+
+    mean, longest = workload.mean_lengths(s), workload.longest_request(s)
+    out = plan(mean)
+    if tuple(map(round, mean)) != longest:  # lengths vary: the mean plans, the longest bounds the peak
+        out["sources"]["prompt_tokens"] = f"mean of the {workload.kind(s)} workload's lengths (kvexp/workload.py)"
+        for row, top in zip(out["levels"], plan(longest)["levels"]):
+            row["predicted_kv_usage_max"] = top["predicted_kv_usage"]
     if gpu is not None:
         out["sources"]["gpu_gib"] = "measured" if gpu_gib is not None else "gpu config"
     return out

@@ -15,6 +15,7 @@ from typing import Optional, Protocol
 import aiohttp
 
 WORDS_PER_CORPUS = 3000
+CHARS_PER_TOKEN = 4.0  # the estimate for a backend without a tokenizer
 
 
 class Tokenizing(Protocol):
@@ -64,7 +65,7 @@ async def exact_text(count, target: int, rng: random.Random,
     return " ".join(words) if n == target else None
 
 
-def estimated_text(n: int, length: int, seed: int, chars_per_token: float = 4.0) -> list[str]:
+def estimated_text(n: int, length: int, seed: int, chars_per_token: float = CHARS_PER_TOKEN) -> list[str]:
     rng = random.Random(seed)
     out = []
     for i in range(n):

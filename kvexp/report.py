@@ -71,6 +71,7 @@ LEVEL_COLUMNS = (
     Column("throughput_tok_s", "Throughput (tok/s)"),
     Column("ttft_p50_ms", "TTFT p50 (ms)"),
     Column("ttft_p95_ms", "TTFT p95 (ms)"),
+    Column("prefix_cache.hit_rate", "Prefix-cache hits (%)"),  # workloads that reuse prompts only
     Column("tpot_p50_ms", "TPOT p50 (ms)"),
     Column("peak_vram_gib", "Peak VRAM (GiB)"),
     Column("peak_kv_cache_usage", "Peak KV usage (%)"),
@@ -414,7 +415,10 @@ def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]]
         return out
 
     has_conc = any(F.is_num(lv.get("concurrency")) for _, _, lv in rows)
-    main_cols = columns(LEVEL_COLUMNS, _ALWAYS - (set() if has_conc or not rows else {"concurrency"}))
+    reuse = any(_reuses(r) for r in runs)
+    main_cols = columns(tuple(c for c in LEVEL_COLUMNS if reuse or not c.key.startswith("prefix_cache.")),
+                        _ALWAYS - (set() if has_conc or not rows else {"concurrency"}) | ({"prefix_cache.hit_rate"}
+                                                                                          if reuse else set()))
     main_cols = [(c, cells) for c, cells in main_cols if c.key != "repeat" or any(x not in ("0", "—") for x in cells)]
     used: list[str] = []
     notes = []
@@ -438,7 +442,81 @@ def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]]
         drows = [[str(r.get("label")), where[n], *(cells[n] for _, cells in dcols)] for n, (r, _, _) in enumerate(rows)]
         details.append((name, Table(["Run", "Level", *(c.header for c, _ in dcols)], drows,
                                     [False, True, *(c.numeric for c, _ in dcols)], kind="levels")))
-    return main, details, used
+    return main, details + _workload_tables(rows), used
+
+
+def _reuses(run: dict) -> bool:
+    """The run's workload reuses prompts on purpose (shared prefixes, conversations, a dataset, a trace)."""
+    return ((run.get("workload") or {}).get("kind") or "synthetic") != "synthetic"
+
+
+def _lengths(s: Optional[dict]) -> str:
+    return "—" if not s else f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
+
+
+def _workload_tables(rows: list[tuple[dict, int, dict]]) -> list[tuple[str, Table]]:
+    """The workload's shape beside what it measured: lengths asked and realised, the prefix cache and its
+    reset per level; a histogram of realised prompt lengths per run; per-turn figures of conversations."""
+    rows = [(r, li, lv) for r, li, lv in rows if lv.get("workload")]
+    if not rows:
+        return []
+    out = []
+    body = []
+    for r, _, lv in rows:
+        w, pc, reset = lv["workload"], lv.get("prefix_cache"), lv.get("cache_reset")
+        checked = w.get("prompts_checked") or 0
+        arrival = (w.get("arrival_error_ms") or {}).get("p99")
+        body.append([str(r.get("label")), F.fmt_x(*F.level_x(lv)) if F.level_x(lv) else "—",
+                     _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
+                     _lengths(w["output_tokens"]["realised"]),
+                     f"{w['prompts_exact']}/{checked}" if checked else "—",
+                     level_cell(r, lv, "prefix_cache.hit_rate"),
+                     "—" if not pc else f"{pc['hit_tokens']:,}/{pc['queried_tokens']:,}",
+                     "—" if reset is None else ("yes" if reset["done"] else "no") + f": {reset['how']}",
+                     "—" if arrival is None else f"{arrival:.2f}"])
+    cols = ["Run", "Level", "Prompt asked (mean/p50/p99)", "Prompt realised", "Output realised", "Exact prompts",
+            "Prefix-cache hits (%)", "Hit / looked-up tokens", "Cache reset before", "Arrival error p99 (ms)"]
+    keep = [i for i in range(len(cols)) if i < 2 or any(row[i] != "—" for row in body)]
+    out.append(("Workload", Table([cols[i] for i in keep], [[row[i] for i in keep] for row in body],
+                                  [False, True, *([False] * (len(keep) - 2))], kind="wide")))
+    hist = []
+    seen: set[str] = set()
+    for r, _, lv in rows:  # one histogram per run: its first level's realised prompt lengths
+        bins = lv["workload"].get("prompt_histogram") or []
+        if str(r.get("label")) in seen or not bins:
+            continue
+        seen.add(str(r.get("label")))
+        top = max(b["count"] for b in bins) or 1
+        hist += [[str(r.get("label")), f"{b['lo']}–{b['hi']}" if b["hi"] != b["lo"] else str(b["lo"]),
+                  str(b["count"]), "█" * max(1 if b["count"] else 0, round(20 * b["count"] / top))] for b in bins]
+    if hist:
+        out.append(("Prompt lengths (realised, first level)",
+                    Table(["Run", "Prompt tokens", "Requests", ""], hist, [False, True, True, False])))
+    turns = [[str(r.get("label")), F.fmt_x(*F.level_x(lv)), str(t["turn"] + 1), str(t["requests"]),
+              F.format_value("mean_prompt_tokens", t["mean_prompt_tokens"]),
+              F.format_value("mean_prompt_tokens", t["mean_cached_tokens"]), F.format_value("ttft_p50_ms", t["ttft_p50_ms"])]
+             for r, _, lv in rows for t in lv.get("turns") or []]
+    if turns:
+        out.append(("Conversation turns", Table(["Run", "Level", "Turn", "Requests", "Mean prompt tokens",
+                                                 "Mean cached tokens", "TTFT p50 (ms)"], turns,
+                                                [False, True, True, True, True, True, True])))
+    return out
+
+
+def _workload_text(w: dict) -> str:
+    """The workload in a few words, for a scenario's description."""
+    parts = [str(w.get("kind"))]
+    pd = w.get("prompt_dist") or {}
+    if pd.get("kind", "fixed") != "fixed":
+        parts.append(f"prompt lengths {pd['kind']} (mean {pd['mean']:.0f})")
+    if w.get("prefix_tokens"):
+        parts.append(f"{w['prefix_groups']} shared prefix(es) of {w['prefix_tokens']} tokens")
+    if (w.get("turns") or 1) > 1:
+        parts.append(f"{w['turns']} turns, think time {w['think_time_s']:g} s")
+    for key in ("dataset", "trace"):
+        if w.get(key):
+            parts.append(f"{key} {Path(w[key]['file']).name}" + (f" x{w[key]['time_scale']:g}" if key == "trace" else ""))
+    return "workload: " + ", ".join(parts)
 
 
 def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], scale: float = 1.0,
@@ -558,6 +636,8 @@ def _scenario_views(agg: dict, colours: dict[str, str], warnings: list[F.LevelWa
             desc.append(f"prompt {', '.join(map(str, prompt))} tokens")
         if maxt:
             desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
+        desc += _uniq(_workload_text(r.get("workload")) for r in runs if _reuses(r) or
+                      ((r.get("workload") or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
         desc.append(f"{len(runs)} run{'s' if len(runs) != 1 else ''}")
         failed = [{"label": str(r.get("label")), "status": F.run_status(r),
                    "reason": F.first_line(r.get("status_reason")) or "no reason recorded"}
@@ -940,11 +1020,11 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
     return head, rows
 
 
-NESTED_LEVEL_BLOCKS = ("server", "delivery")  # a level's blocks whose figures get a column each
+NESTED_LEVEL_BLOCKS = ("server", "delivery", "prefix_cache")  # a level's blocks whose figures get a column each
 
 
 def _flat_keys(level: dict) -> list[str]:
-    """A level's keys, with the figures of its server/delivery blocks as dotted keys."""
+    """A level's keys, with the figures of its NESTED_LEVEL_BLOCKS as dotted keys."""
     out = []
     for k, v in level.items():
         if k in NESTED_LEVEL_BLOCKS and isinstance(v, dict):

@@ -272,6 +272,7 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "reused_server": result["backend"]["reused_server"],
         "planner": result.get("planner"),
         "quality": result.get("quality"),
+        "workload": result.get("workload"),
         "source": source,
         "search": result.get("search"),
         "slo": slo_of(result),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import backends, prompts, search, stats
+from kvexp import backends, search, stats, workload
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
@@ -28,6 +27,7 @@ from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offset
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.telemetry import TelemetrySampler
+from kvexp.traffic import Traffic
 from kvexp.validate import SCHEMA_VERSION
 from kvexp.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
 
@@ -117,6 +117,8 @@ class Job:
     def plan(self) -> list[tuple[str, float]]:
         """The scenario's levels in order: (kind, value), kind concurrency or rate."""
         s = self.cfg.scenario
+        if s.trace:  # one level: the trace at its own pace (x time_scale)
+            return [("rate", workload.trace_rate(s))]
         if s.search:  # the grid an SLO search moves on (kvexp/search.py)
             return [(s.search, int(x) if s.search == "concurrency" else x) for x in search.scenario_grid(s)]
         return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
@@ -156,7 +158,7 @@ def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, A
         "server": backend.spec.to_json() if backend else None,
         "kv_cache": {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None},
         "scenario": {"name": s.name, "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens,
-                     "mode": "open" if s.rates else "closed",
+                     "mode": "open" if s.rates or s.trace else "closed",
                      "variable_length": bool(backend) and not backend.capabilities.forces_output_length,
                      "api": s.api},
         "gpu": {"name": cfg.gpu.name or gi.name, "memory_gib": cfg.gpu.memory_gib or gi.memory_gib,
@@ -303,7 +305,9 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
         _check_kv(cfg, kv, backend)
         res["planner"] = _planner_block(backend, res)
         lg = LoadGenerator(session, backend, observer)
-        maker = await PromptMaker.create(backend, session, s.prompt_tokens, s.api, s.seed)
+        maker = await Traffic.create(backend, session, s)
+        res["workload"] = maker.describe()
+        job.save()
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
         sampler.start()
         gauges = TelemetrySampler(backend, backend.base_url, headers, cfg.backend.telemetry_interval_s)
@@ -311,7 +315,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
         try:
             tw = time.monotonic()
             if s.warmup_requests:
-                warm = await maker.requests(s.warmup_requests, s.max_tokens, level=0, repeat=0, warmup=True)
+                warm = (await maker.level(s.warmup_requests, level=0, repeat=0, warmup=True)).requests
                 await lg.closed_loop(warm, min(s.warmup_requests, max(s.concurrency or [1])))
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
             res["timing"]["warmup_s"] = round(time.monotonic() - tw, 3)
@@ -337,46 +341,6 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
             gauges.stop()
 
 
-class PromptMaker:
-    """Unique prompts of the exact target length, as the server's tokenizer counts them."""
-
-    def __init__(self, backend: Adapter, session: aiohttp.ClientSession, pool: Optional[list[int]],
-                 target: int, api: str, seed: int):
-        self.backend, self.session = backend, session
-        self.pool, self.target, self.api, self.seed = pool, target, api, seed
-        self.counter = 0
-
-    @classmethod
-    async def create(cls, backend: Adapter, session: aiohttp.ClientSession, target: int, api: str,
-                     seed: int) -> "PromptMaker":
-        pool = None
-        if api == "completions" and backend.capabilities.exact_prompts:
-            pool = await prompts.token_pool(backend, session, seed)
-        return cls(backend, session, pool, target, api, seed)
-
-    async def one(self) -> str | list[int]:
-        self.counter += 1
-        seed = self.seed * 1_000_003 + self.counter
-        if self.pool is not None:
-            return prompts.token_prompts(self.pool, 1, self.target, seed)[0]
-        if self.backend.capabilities.exact_prompts:
-            count = self.backend.chat_prompt_tokens
-            text = await prompts.exact_text(count, self.target, random.Random(seed), self.session)
-            if text is None:
-                raise RuntimeError(f"could not build a chat prompt of exactly {self.target} tokens")
-            return text
-        return prompts.estimated_text(1, self.target, seed)[0]
-
-    async def requests(self, n: int, max_tokens: int, level: float, repeat: int,
-                       warmup: bool = False) -> list[tuple[Any, RequestRecord]]:
-        out = []
-        for i in range(n):
-            rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup,
-                                target_prompt_tokens=self.target, max_tokens=max_tokens)
-            out.append((self.backend.request(await self.one(), max_tokens, self.api), rec))
-        return out
-
-
 async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
     """One direct poll of the server's gauges and counters (a level's preemptions are their difference)."""
     try:
@@ -386,12 +350,13 @@ async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
 
 
 async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
-                     maker: PromptMaker, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
+                     maker: Traffic, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
                      value: float, repeat: int, observer: Optional[Observer]) -> dict[str, Any]:
     from kvexp.loadgen import ClientOptions, client_environment
 
     s, client = job.cfg.scenario, job.cfg.client
-    reqs = await maker.requests(s.requests, s.max_tokens, value, repeat)
+    work = await maker.level(s.requests, value, repeat)
+    reqs = work.requests
     options = ClientOptions(base_url=backend.base_url,
                             max_connections=client_connections(s),
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
@@ -399,6 +364,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                             event_loop=client.event_loop)
     watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
                         [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
+    cache_reset = await _reset_cache(backend, session) if workload.resets_cache(s) else None
     counters_before = await watch.sample(backend.server_counters(session))
     before = await watch.sample(_sample(backend, session))
     sampler.window()
@@ -407,10 +373,12 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         observer.level_started(value, s.requests, repeat)
     hung = None
     try:
-        if kind == "concurrency":
+        if work.conversations:
+            level_run = lg.run_conversations(work.conversations, int(value))
+        elif kind == "concurrency":
             level_run = lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
         else:
-            offsets = arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
+            offsets = work.offsets_s or arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
             level_run = lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
                                      max_start_rate=s.max_start_rate, options=options)
         run = await watch.guard(level_run)
@@ -464,9 +432,12 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         ok = [lv for lv in job.result["levels"]
               if lv.get(kind) == value and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
         level.repeats = stats.repeats_of([*ok, level.to_json()] if level.status == "ok" else ok)
+    level.workload = stats.workload_view(records, work.offsets_s is not None)
+    level.prefix_cache = backend.prefix_cache(records, counters_before, counters_after)
+    level.cache_reset = cache_reset
+    level.turns = stats.turn_table(records, [_cached(backend, r) for r in records]) if work.conversations else None
     done = [r for r in records if r.ok]
-    level.warnings = level_warnings(level, [r.prompt_tokens for r in done], [r.output_tokens for r in done],
-                                    s.prompt_tokens, s.max_tokens, backend.capabilities.forces_output_length,
+    level.warnings = level_warnings(level, done, backend.capabilities.forces_output_length,
                                     limits, _predicted_usage(job.result.get("planner"), level.concurrency),
                                     _caps(s))
     env = job.result["environment"]
@@ -475,6 +446,21 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     if observer:
         observer.level_done(value, out)
     return out
+
+
+async def _reset_cache(backend: Adapter, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """Empty the server's prefix cache before a level; {done, how} (how: what was done, or why not)."""
+    try:
+        how = await backend.reset_cache(session)
+    except (aiohttp.ClientError, asyncio.TimeoutError, BackendError) as e:
+        return {"done": False, "how": f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
+    return {"done": how is not None, "how": how or f"{backend.name} offers no way to reset its cache"}
+
+
+def _cached(backend: Adapter, r: RequestRecord) -> Optional[float]:
+    """Prompt tokens the server says it served from its cache for one request (None: not stated)."""
+    timing = backend.request_timing(r.server_timings, r.output_tokens) if r.ok else None
+    return None if timing is None else timing.get("cached_tokens")
 
 
 def _caps(s: Any) -> Optional[str]:
@@ -486,10 +472,11 @@ def _caps(s: Any) -> Optional[str]:
 
 
 def _predicted_usage(plan: Optional[dict[str, Any]], concurrency: Optional[int]) -> Optional[float]:
-    """The planner's predicted KV usage at this concurrency (None: no plan or no such level)."""
+    """The planner's predicted KV usage at this concurrency, the most it can be where lengths vary (None:
+    no plan or no such level)."""
     for row in (plan or {}).get("levels") or []:
         if concurrency is not None and row.get("concurrency") == concurrency:
-            return row.get("predicted_kv_usage")
+            return row.get("predicted_kv_usage_max", row.get("predicted_kv_usage"))
     return None
 
 

@@ -43,6 +43,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from kvexp import workload
+
 MS = 1000.0
 GIB = float(1 << 30)
 
@@ -282,3 +284,58 @@ def counter_delta(before: dict[str, float], after: dict[str, float], name: str) 
     if name not in after:
         return None
     return after[name] - before.get(name, 0.0)
+
+
+def _num(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(float(x), 3)
+
+
+def workload_view(records: Sequence[Any], timed: bool) -> dict[str, Any]:
+    """A level's workload as asked and as the server counted it: prompt and output lengths (asked
+    where the request asked an exact one; realised over the successful requests), how many prompts came
+    out exactly as asked, and for a timed schedule (a trace) how far the sends were from their times
+    (sent_s - scheduled_s, ms)."""
+    done = [r for r in records if r.ok]
+    asked_prompt = [r.target_prompt_tokens for r in records if r.target_prompt_tokens is not None]
+    pairs = [(r.prompt_tokens, r.target_prompt_tokens) for r in done
+             if r.prompt_tokens is not None and r.target_prompt_tokens is not None]
+    out: dict[str, Any] = {
+        "prompt_tokens": {"asked": workload.summary(asked_prompt),
+                          "realised": workload.summary([r.prompt_tokens for r in done if r.prompt_tokens is not None])},
+        "output_tokens": {"asked": workload.summary([r.max_tokens for r in records if r.max_tokens is not None]),
+                          "realised": workload.summary([r.output_tokens for r in done if r.output_tokens is not None])},
+        "prompts_exact": None if not pairs else sum(1 for got, asked in pairs if got == asked),
+        "prompts_checked": len(pairs),
+        "prompt_histogram": workload.histogram([r.prompt_tokens for r in done if r.prompt_tokens is not None], 8),
+    }
+    if timed:
+        lag = [(r.sent_s - r.scheduled_s) * 1000 for r in records if r.sent_s is not None and r.scheduled_s is not None]
+        out["arrival_error_ms"] = None if not lag else {
+            "p50": _num(percentile(lag, 50)), "p99": _num(percentile(lag, 99)), "max": _num(max(lag))}
+    return out
+
+
+def turn_table(records: Sequence[Any], cached: Sequence[Optional[float]]) -> list[dict[str, Any]]:
+    """Per turn of a level's conversations: requests, mean prompt tokens (they grow with the history),
+    mean prompt tokens the server served from its cache (None: not stated), TTFT p50 (ms)."""
+    rows: dict[int, list[tuple[Any, Optional[float]]]] = {}
+    for r, c in zip(records, cached):
+        if r.turn is not None:
+            rows.setdefault(r.turn, []).append((r, c))
+    out = []
+    for turn in sorted(rows):
+        ok = [(r, c) for r, c in rows[turn] if r.ok]
+        prompt = [r.prompt_tokens for r, _ in ok if r.prompt_tokens is not None]
+        hits = [c for _, c in ok if c is not None]
+        ttft = [r.first_token_s - r.sent_s for r, _ in ok if r.first_token_s is not None and r.sent_s is not None]
+        out.append({"turn": turn, "requests": len(rows[turn]), "errors": len(rows[turn]) - len(ok),
+                    "mean_prompt_tokens": round(fmean(prompt), 3) if prompt else None,
+                    "mean_cached_tokens": round(fmean(hits), 3) if hits else None,
+                    "ttft_p50_ms": _ms_or_none(ttft, 50)})
+    return out
+
+
+def prefix_cache_view(source: str, queried: float, hits: float) -> dict[str, Any]:
+    """A level's prefix cache: prompt tokens looked up and served from the cache, and their ratio."""
+    return {"source": source, "queried_tokens": int(queried), "hit_tokens": int(hits),
+            "hit_rate": round(hits / queried, 4) if queried > 0 else None}

@@ -77,6 +77,6 @@ def test_unstable_repeats_are_warned():
                                             {"throughput_tok_s": 130.0, "ttft_p50_ms": 51.0},
                                             {"throughput_tok_s": 80.0, "ttft_p50_ms": 50.5}]))
     assert stats.unstable(level.repeats) == ["throughput_tok_s"]
-    (w,) = level_warnings(level, [], [], 512, 256, False)
+    (w,) = level_warnings(level, [], False)
     assert w.code == "unstable" and w.values["n"] == 3
     assert w.text.startswith("unstable across 3 repeats: throughput_tok_s (CV 24 %)")

@@ -242,7 +242,10 @@ class Adapter:
         return None
 
     # ---- requests
-    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+    def request(self, prompt: Any, max_tokens: int, api: str, cache: bool = False) -> Request:
+        """A streaming request: prompt is token ids, a text, or chat messages (api=chat). cache: the
+        workload reuses prompts (shared prefixes, conversations), so let the server serve them from its
+        prompt cache where that is a per-request choice."""
         raise NotImplementedError
 
     def parse_line(self, line: bytes) -> Optional[StreamEvent]:
@@ -251,9 +254,14 @@ class Adapter:
     async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
         raise NotImplementedError(f"{self.name} has no tokenizer endpoint")
 
-    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: str) -> int:
-        """Tokens the server will count for a chat request with this user message."""
+    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: Any) -> int:
+        """Tokens the server will count for a chat request with this user message (or these messages)."""
         raise NotImplementedError(f"{self.name} has no tokenizer endpoint")
+
+    async def reset_cache(self, session: aiohttp.ClientSession) -> Optional[str]:
+        """Empty the server's prefix cache, so that one level cannot warm the next; says what was done
+        (None: the server offers no way). Raises aiohttp.ClientError or BackendError when it fails."""
+        return None
 
     # ---- telemetry
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
@@ -304,6 +312,20 @@ class Adapter:
     async def server_counters(self, session: aiohttp.ClientSession) -> Optional[dict[str, float]]:
         """Cumulative server counters and histogram sums, read before and after a level (None: none)."""
         return None
+
+    def prefix_cache(self, records: list[Any], before: Optional[dict[str, float]],
+                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
+        """Prompt tokens the server served from its prefix cache over a level (stats.prefix_cache_view):
+        here from each request's own timings (llama.cpp: cache_n); None where the server does not say."""
+        from kvexp import stats
+
+        pairs = [(t["cached_tokens"], r.prompt_tokens) for r in records if r.ok and r.prompt_tokens is not None
+                 and (t := self.request_timing(r.server_timings, r.output_tokens))
+                 and t.get("cached_tokens") is not None]
+        if not pairs:
+            return None
+        return stats.prefix_cache_view(f"{self.server_timing_source}: cached prompt tokens",
+                                       queried=sum(p for _, p in pairs), hits=sum(c for c, _ in pairs))
 
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:

@@ -15,8 +15,9 @@ from typing import Any, Optional
 
 import aiohttp
 
+from kvexp import workload
 from kvexp.backends import openai
-from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
+from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
 from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, server_slots
 from kvexp.planner import CacheModel
@@ -28,6 +29,17 @@ MIB = 1 << 20
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the default -c
 CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
+CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+
+
+def slot_dir() -> Path:
+    """Where llama-server may save slots (--slot-save-path, which also enables erasing them; kvexp
+    never saves one): kvexp's cache folder."""
+    from kvexp.install import cache_dir
+
+    path = cache_dir() / "slots"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @dataclass
@@ -147,7 +159,7 @@ class LlamaCpp(Adapter):
         slots, slots_source = server_slots(s, b.parallel)
         unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
         # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)
-        context = b.context or (1 if unified else slots) * (s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN)
+        context = b.context or (1 if unified else slots) * (workload.longest_sequence(s) + CONTEXT_MARGIN)
         sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {'' if unified else 'parallel x '}(prompt + output + {CONTEXT_MARGIN})"}
@@ -158,6 +170,10 @@ class LlamaCpp(Adapter):
                     "-c", str(context), "--metrics", "--slots",
                     "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", str(b.flash_attn), "-lv", "4"]
             argv += ["-t", str(self.threads)]
+            if workload.resets_cache(s):  # slots can be erased between levels (reset_cache)
+                argv += ["--slot-save-path", str(slot_dir())]
+                if not any(a in CACHE_RAM_FLAGS for a in b.extra_args):
+                    argv += ["--cache-ram", "0"]  # the host-RAM prompt cache would outlive a slot erase
             if b.n_gpu_layers is not None:
                 argv += ["-ngl", str(b.n_gpu_layers)]
             argv += list(b.extra_args)
@@ -165,10 +181,11 @@ class LlamaCpp(Adapter):
                                per_seq=context if unified else context // slots, sources=sources,
                                unified_kv=unified)
 
-    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
-        # ignore_eos forces the length; cache_prompt off so no request is served from a prefix cache
+    def request(self, prompt: Any, max_tokens: int, api: str, cache: bool = False) -> Request:
+        # ignore_eos forces the length; cache_prompt only for workloads that reuse prompts, so that no
+        # unique prompt is served from a prefix cache
         return openai.completion_request(self.served_name, prompt, max_tokens, api,
-                                         {"ignore_eos": True, "cache_prompt": False})
+                                         {"ignore_eos": True, "cache_prompt": cache})
 
     def parse_line(self, line: bytes) -> Optional[StreamEvent]:
         return openai.parse_sse_line(line)
@@ -179,10 +196,10 @@ class LlamaCpp(Adapter):
             r.raise_for_status()
             return list((await r.json())["tokens"])
 
-    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: str) -> int:
-        """Tokens the server will count for a chat request with this user message."""
+    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: Any) -> int:
+        """Tokens the server will count for a chat request with this user message (or these messages)."""
         async with session.post(self.base_url + "/apply-template",
-                                json={"messages": [{"role": "user", "content": text}]}) as r:
+                                json={"messages": openai.chat_messages(text)}) as r:
             r.raise_for_status()
             templated = (await r.json())["prompt"]
         async with session.post(self.base_url + "/tokenize",
@@ -247,6 +264,23 @@ class LlamaCpp(Adapter):
         if tpot is None and n and n > 1 and decode is not None:
             tpot = decode / (n - 1)
         return {"tpot_s": tpot, "prefill_s": timings.get("prompt_s"), "cached_tokens": timings.get("cache_n")}
+
+    async def reset_cache(self, session: aiohttp.ClientSession) -> Optional[str]:
+        """Erase every slot's cached prompt (POST /slots/{id}?action=erase; launched with
+        --slot-save-path, and --cache-ram 0 so that no host-RAM copy survives)."""
+        async with session.get(self.base_url + "/slots") as r:
+            r.raise_for_status()
+            ids = [int(slot["id"]) for slot in await r.json()]
+        erased = 0
+        for i in ids:
+            async with session.post(self.base_url + f"/slots/{i}?action=erase") as r:
+                if r.status != 200:
+                    raise BackendError(f"llama-server refused to erase slot {i}: HTTP {r.status} "
+                                       f"{(await r.text())[:200]}")
+                erased += int((await r.json()).get("n_erased") or 0)
+        ram = "kept (backend.extra_args sets --cache-ram)" if any(
+            a in CACHE_RAM_FLAGS for a in self.b.extra_args) else "off (--cache-ram 0)"
+        return f"erased {len(ids)} slots ({erased} cached tokens); host-RAM prompt cache {ram}"
 
     def _exact_bytes(self, info: KVCacheInfo, log_text: str) -> None:
         """Replace the log's 0.01-MiB size by cells x layers x bytes per cell, with the KV width read

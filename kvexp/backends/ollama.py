@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from kvexp import workload
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
 from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
@@ -275,7 +276,8 @@ class Ollama(Adapter):
         (port 0: the configured backend.port, else none and the server's default 11434)."""
         s, b = self.cfg.scenario, self.b
         slots, slots_source = server_slots(s, b.parallel)
-        context = b.context or int(s.prompt_tokens * PROMPT_SLACK) + s.max_tokens + CONTEXT_PAD
+        prompt, output = workload.longest_request(s)
+        context = b.context or int(prompt * PROMPT_SLACK) + output + CONTEXT_PAD
         sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {PROMPT_SLACK:g} x prompt + output + {CONTEXT_PAD}"}
@@ -298,12 +300,15 @@ class Ollama(Adapter):
             opts["num_predict"] = max_tokens
         return opts
 
-    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+    def request(self, prompt: Any, max_tokens: int, api: str, cache: bool = False) -> Request:
+        if api == "chat" and isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            body: dict[str, Any] = {"model": self.model_tag, "stream": True, "truncate": False,
+                                    "options": self._options(max_tokens), "messages": prompt}
+            return Request("/api/chat", body)
         if not isinstance(prompt, str):
             raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); "
                                "send text (kvexp.prompts.estimated_text)")
-        body: dict[str, Any] = {"model": self.model_tag, "stream": True, "truncate": False,
-                                "options": self._options(max_tokens)}
+        body = {"model": self.model_tag, "stream": True, "truncate": False, "options": self._options(max_tokens)}
         if api == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
             return Request("/api/chat", body)

@@ -37,7 +37,16 @@ _TOKEN_EVENTS: dict[str, StreamEvent] = {}  # plain token events by text (events
 _TOKEN_EVENTS_MAX = 1 << 16
 
 
-def completion_request(model: str, prompt: str | list[int], max_tokens: int, api: str,
+def chat_messages(prompt: Any) -> list[dict[str, str]]:
+    """A chat request's messages: a text is one user message; messages are sent as they are."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return prompt
+    raise ValueError("the chat API takes a text prompt or chat messages")
+
+
+def completion_request(model: str, prompt: Any, max_tokens: int, api: str,
                        extra: dict[str, Any]) -> Request:
     body: dict[str, Any] = {
         "model": model,
@@ -48,9 +57,7 @@ def completion_request(model: str, prompt: str | list[int], max_tokens: int, api
         **extra,
     }
     if api == "chat":
-        if not isinstance(prompt, str):
-            raise ValueError("the chat API takes a text prompt")
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = chat_messages(prompt)
         return Request("/v1/chat/completions", body)
     body["prompt"] = prompt
     return Request("/v1/completions", body)

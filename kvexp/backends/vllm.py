@@ -23,6 +23,7 @@ from typing import Any, Optional
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvexp import workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.config import BackendConfig, ConfigError, ExperimentConfig
@@ -220,7 +221,8 @@ class VLLM(Adapter):
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=True, logprobs=True)
     cache_model = CacheModel(name="vllm", paged=True, default_slots=None, default_block_size=GPU_BLOCK_SIZE,
-                             reserved_blocks=1)  # the block pool's null block (vllm/v1/core/block_pool.py)
+                             reserved_blocks=1,  # the block pool's null block (vllm/v1/core/block_pool.py)
+                             shares_prefixes=True)  # automatic prefix caching, on by default
     b: VLLMConfig
 
     @classmethod
@@ -278,8 +280,9 @@ class VLLM(Adapter):
         slots = b.parallel or (max(levels) if levels else None)
         sources["parallel"] = ("backend.parallel" if b.parallel else "derived: highest concurrency level"
                                if slots else "vLLM's default (not limited by kvexp)")
-        context = b.context or s.prompt_tokens + s.max_tokens + CONTEXT_MARGIN
-        sources["context_tokens"] = "backend.context" if b.context else f"derived: prompt + output + {CONTEXT_MARGIN}"
+        context = b.context or workload.longest_sequence(s) + CONTEXT_MARGIN
+        sources["context_tokens"] = ("backend.context" if b.context else
+                                     f"derived: the longest request's prompt + output + {CONTEXT_MARGIN}")
         # --kv-cache-memory-bytes: backend.kv_cache_memory_bytes, else CPU_KV_CACHE_BYTES on the CPU build
         # (unless backend.env sizes it with VLLM_CPU_KVCACHE_SPACE), else None (the utilisation fraction)
         budget = b.kv_cache_memory_bytes
@@ -310,6 +313,8 @@ class VLLM(Adapter):
                 argv.append("--enforce-eager")
             argv += list(b.extra_args)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
+        if workload.resets_cache(s):  # /reset_prefix_cache is served in development mode only
+            env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
                                env_unset=tuple(k for k in UNSET_ENV if k not in b.env), block_size=block,
                                kv_budget_bytes=budget, gpu_memory_utilization=util)
@@ -326,7 +331,7 @@ class VLLM(Adapter):
                         "of vLLM, and this CPU has neither")
         return None
 
-    def request(self, prompt: str | list[int], max_tokens: int, api: str) -> Request:
+    def request(self, prompt: Any, max_tokens: int, api: str, cache: bool = False) -> Request:
         # ignore_eos + min_tokens = max_tokens: every request generates exactly max_tokens
         return openai.completion_request(self.served_name, prompt, max_tokens, api,
                                          {"ignore_eos": True, "min_tokens": max_tokens})
@@ -340,9 +345,9 @@ class VLLM(Adapter):
             r.raise_for_status()
             return list((await r.json())["tokens"])
 
-    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: str) -> int:
-        """Tokens the server will count for a chat request with this user message."""
-        body = {"model": self.served_name, "messages": [{"role": "user", "content": text}],
+    async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: Any) -> int:
+        """Tokens the server will count for a chat request with this user message (or these messages)."""
+        body = {"model": self.served_name, "messages": openai.chat_messages(text),
                 "add_generation_prompt": True}
         async with session.post(self.base_url + "/tokenize", json=body) as r:
             r.raise_for_status()
@@ -437,6 +442,30 @@ class VLLM(Adapter):
         names = frozenset([*COUNTERS, *(h + suffix for h in HISTOGRAMS.values() for suffix in ("", "_sum", "_count"))])
         values, _ = _families(text, names)
         return {k: sum(v) for k, v in values.items() if k in names}
+
+    async def reset_cache(self, session: aiohttp.ClientSession) -> Optional[str]:
+        """POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1, which kvexp sets for workloads
+        that reuse prompts). None when the server does not serve it (an attached server without it)."""
+        async with session.post(self.base_url + "/reset_prefix_cache") as r:
+            if r.status == 404:
+                return None
+            if r.status != 200:
+                raise BackendError(f"vllm: /reset_prefix_cache answered HTTP {r.status}")
+        return "POST /reset_prefix_cache"
+
+    def prefix_cache(self, records: list[Any], before: Optional[dict[str, float]],
+                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
+        """The level's prefix-cache queries and hits (tokens) from vLLM's counters."""
+        from kvexp import stats
+
+        if before is None or after is None:
+            return None
+        queries = stats.counter_delta(before, after, "vllm:prefix_cache_queries_total")
+        hits = stats.counter_delta(before, after, "vllm:prefix_cache_hits_total")
+        if queries is None or hits is None:
+            return None
+        return stats.prefix_cache_view("vLLM /metrics: prefix_cache_queries_total, prefix_cache_hits_total",
+                                       queried=queries, hits=hits)
 
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
