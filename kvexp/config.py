@@ -329,6 +329,10 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     from kvexp import workload
 
     workload.check_scenario(s)
+    caps = adapter_class(b.name).capabilities
+    _require(not s.trace or (s.api == "completions" and caps.exact_prompts),
+             f"scenario.trace: replaying a trace needs token-id prompts, the completions API of a backend with a "
+             f"tokenizer endpoint (backend={b.name}, scenario.api={s.api})")
     check_client(cfg.client)
     check_known_keys(cfg)
     check_ranges(cfg)

@@ -36,6 +36,9 @@ WARNING_CODES = {
     "kv_above_plan": f"KV usage above the planner's prediction (+{PLAN_USAGE_MARGIN * 100:.0f} %)",
     "tpot_disagrees": f"client and server TPOT differ by > {TPOT_AGREEMENT * 100:.0f} %",
     "server_queueing": "requests waited in the server's queue",
+    "cache_not_reset": "the server's cache was not reset before the level: it may reuse earlier prompts",
+    "turns_not_sent": "conversations ended early: turns after a failed one were not sent",
+    "entries_repeat": "the dataset has fewer entries than the level's requests: entries repeat",
 }
 
 
@@ -117,6 +120,25 @@ class Level:
             if out[key] is None:  # only where they apply (open loop, a failed level, the last repeat)
                 del out[key]
         return out
+
+
+def workload_warnings(reuses: bool, cache_reset: Optional[dict[str, Any]], after_others: bool,
+                      unsent_turns: int, entries: Optional[int], requests: int) -> list[LevelWarning]:
+    """What qualifies a level of a workload that reuses prompts: a cache that was not emptied before it
+    (after_others: the server had served the job's warm-up or an earlier level), turns not sent, dataset
+    entries sent more than once."""
+    w: list[LevelWarning] = []
+    if reuses and after_others and not (cache_reset or {}).get("done"):
+        how = (cache_reset or {}).get("how") or "scenario.reset_cache=false"
+        w.append(LevelWarning("cache_not_reset", f"the server's prefix cache was not reset before this level ({how}): "
+                              "its hits may include prompts sent before it", {"how": how}))
+    if unsent_turns:
+        w.append(LevelWarning("turns_not_sent", f"{unsent_turns} turns were not sent: each conversation ends at its "
+                              "first failed turn", {"turns": unsent_turns}))
+    if entries is not None and entries < requests:
+        w.append(LevelWarning("entries_repeat", f"{requests} requests from {entries} dataset entries: entries repeat "
+                              "within the level", {"entries": entries, "requests": requests}))
+    return w
 
 
 def kv_peak(sampled: Optional[float], preemptions: Optional[float]) -> tuple[Optional[float], Optional[float]]:

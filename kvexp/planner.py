@@ -211,10 +211,16 @@ def max_context_tokens(gpu_gib: float, weights_gib: float, kv_bytes_per_token: f
     return max(0, math.floor(free_gib * GIB_BYTES / kv_bytes_per_token))
 
 
-def max_concurrency(capacity_tokens: int, request_tokens: int, block_size: Optional[int] = None) -> int:
-    """Whole requests (prompt + output) the KV cache holds at once; vLLM counts whole blocks."""
+def max_concurrency(capacity_tokens: int, request_tokens: int, block_size: Optional[int] = None,
+                    shared_tokens: int = 0, groups: int = 1) -> int:
+    """Whole requests (prompt + output) the KV cache holds at once; vLLM counts whole blocks, and holds
+    the full blocks of a shared prefix (shared_tokens, one of `groups`) once per group."""
     if block_size:
-        return (capacity_tokens // block_size) // blocks_per_request(request_tokens, block_size)
+        blocks, shared = capacity_tokens // block_size, shared_tokens // block_size
+        own = blocks_per_request(request_tokens, block_size) - shared
+        if shared and blocks >= groups * shared:  # every group's prefix is held: the rest is per request
+            return max(min(groups, blocks // (own + shared)), (blocks - groups * shared) // own)
+        return blocks // (own + shared)
     return capacity_tokens // request_tokens
 
 
@@ -352,7 +358,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         usable = cap if cap is None or not paged else max(0, cap - cache.reserved_blocks * bs)
         if cap is not None and request_fits is not None:
             if paged:
-                max_pre = max_concurrency(usable, request_tokens, bs) if request_fits else 0
+                max_pre = max_concurrency(usable, request_tokens, bs, shared, prefix_groups) if request_fits else 0
                 max_req = max_pre if slots is None else min(max_pre, slots)
             elif unified_kv:  # the slots share one stream: as many whole requests as it holds
                 max_req = min(slots or 1, cap // request_tokens) if request_fits else 0

@@ -14,6 +14,8 @@ from typing import Optional, Protocol
 
 import aiohttp
 
+from kvexp.workload import words as made_up_words
+
 WORDS_PER_CORPUS = 3000
 CHARS_PER_TOKEN = 4.0  # the estimate for a backend without a tokenizer
 
@@ -22,13 +24,8 @@ class Tokenizing(Protocol):
     async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]: ...
 
 
-def _words(rng: random.Random, n: int) -> list[str]:
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(n)]
-
-
 async def token_pool(backend: Tokenizing, session: aiohttp.ClientSession, seed: int) -> list[int]:
-    ids = await backend.tokenize(session, " ".join(_words(random.Random(seed), WORDS_PER_CORPUS)))
+    ids = await backend.tokenize(session, " ".join(made_up_words(random.Random(seed), WORDS_PER_CORPUS)))
     pool = sorted(set(ids))
     if len(pool) < 8:
         raise RuntimeError(f"the server's tokenizer gave only {len(pool)} distinct tokens for the prompt corpus")
@@ -43,9 +40,10 @@ def token_prompts(pool: list[int], n: int, length: int, seed: int) -> list[list[
 async def exact_text(count, target: int, rng: random.Random,
                      session: aiohttp.ClientSession) -> Optional[str]:
     """Text whose server-side token count (`await count(session, text)`) is exactly `target`:
-    a binary search over whole words, then topped up with one-character words."""
-    head = f"r{rng.randrange(10**9)}"
-    pad = _words(rng, target + 16)
+    a binary search over whole words, then topped up with one-character words, then with characters
+    joined to the last word (where a word costs two tokens, a space and itself, only that reaches an odd
+    remainder)."""
+    head, *pad = made_up_words(rng, target + 17)  # random words: no two prompts share a beginning
     lo, hi = 0, len(pad)
     while lo < hi:  # the most words that stay within target
         mid = (lo + hi + 1) // 2
@@ -62,6 +60,13 @@ async def exact_text(count, target: int, rng: random.Random,
                 break
             words.append(filler)
             n = c
+    for filler in ("a", ".", "x", "q"):
+        while n < target:
+            c = await count(session, " ".join([*words[:-1], words[-1] + filler]))
+            if c > target or c == n:
+                break
+            words[-1] += filler
+            n = c
     return " ".join(words) if n == target else None
 
 
@@ -71,6 +76,6 @@ def estimated_text(n: int, length: int, seed: int, chars_per_token: float = CHAR
     for i in range(n):
         words = [f"r{i}x{rng.randrange(10**9)}"]
         while sum(len(w) + 1 for w in words) < length * chars_per_token:
-            words.extend(_words(rng, 8))
+            words.extend(made_up_words(rng, 8))
         out.append(" ".join(words))
     return out

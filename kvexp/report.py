@@ -629,8 +629,10 @@ def _scenario_views(agg: dict, colours: dict[str, str], warnings: list[F.LevelWa
             if entries and charts and png_dir is not None else None
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
-        prompt = _uniq(r.get("prompt_tokens") for r in runs)
-        maxt = _uniq(r.get("max_tokens") for r in runs)
+        # a trace's or a dataset's own lengths, not the scenario's, are what was sent
+        own = [r for r in runs if (r.get("workload") or {}).get("kind") not in ("trace", "dataset")]
+        prompt = _uniq(r.get("prompt_tokens") for r in own)
+        maxt = _uniq(r.get("max_tokens") for r in own)
         desc = []
         if prompt:
             desc.append(f"prompt {', '.join(map(str, prompt))} tokens")

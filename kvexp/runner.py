@@ -22,7 +22,7 @@ from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
 from kvexp.paths import SpaceReserve
 from kvexp.gpu import GIB, MemorySampler, gpu_info
-from kvexp.levels import Level, kv_peak, level_warnings
+from kvexp.levels import Level, kv_peak, level_warnings, workload_warnings
 from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
@@ -370,7 +370,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     sampler.window()
     gauges.window()
     if observer:
-        observer.level_started(value, s.requests, repeat)
+        observer.level_started(value, len(reqs) or sum(c.turns for c in work.conversations), repeat)
     hung = None
     try:
         if work.conversations:
@@ -440,6 +440,10 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     level.warnings = level_warnings(level, done, backend.capabilities.forces_output_length,
                                     limits, _predicted_usage(job.result.get("planner"), level.concurrency),
                                     _caps(s))
+    level.warnings += workload_warnings(
+        workload.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
+        0 if hung else sum(c.turns for c in work.conversations) - len(records),
+        len(maker.entries) if s.dataset else None, s.requests)
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
     out = level.to_json()

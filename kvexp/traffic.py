@@ -6,11 +6,13 @@ Three ways to make a prompt, chosen by what the backend can do: token ids drawn 
 server's tokenizer produced (completions API, a tokenizer endpoint: exact by construction), text made
 exact by counting the server's templated message (chat API), or text of an estimated length (no
 tokenizer: the realised length is the server's own count). Every level draws fresh unique parts
-(a job-wide counter), so no level is served from another's prompts; shared prefixes are the same
-for the whole job, and the runner resets the server's cache before each level."""
+(a job-wide counter); shared prefixes are the same for the whole job, and a dataset's or a trace's
+prompts are the file's own in every level, so the runner resets the server's cache before each level
+where the backend allows it (and the level is flagged where it could not)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,6 +25,7 @@ from kvexp.config import ConfigError, ScenarioConfig
 from kvexp.loadgen import RequestRecord
 
 Prompt = Any  # token ids, a text, or chat messages [{"role", "content"}]
+OUTPUT_SEED = 500_009  # output lengths are drawn from another stream than prompt lengths (seed + this)
 
 
 @dataclass
@@ -54,11 +57,8 @@ class Traffic:
         if s.api == "completions" and backend.capabilities.exact_prompts:
             pool = await prompts.token_pool(backend, session, s.seed)
         self = cls(backend, session, s, pool)
-        if s.trace:
-            if pool is None:
-                raise ConfigError(f"scenario.trace: replaying a trace needs token-id prompts: the completions API "
-                                  f"of a backend with a tokenizer endpoint ({backend.name} with api={s.api} has none)")
-            self.rows = workload.load_trace(workload.resolve_path(s.trace))[:s.requests]
+        if s.trace:  # token-id prompts: config.check_config refuses a trace without them
+            self.rows = workload.trace_rows(s)
         if s.dataset:
             await self._load_dataset()
         return self
@@ -72,7 +72,8 @@ class Traffic:
             "output_dist": workload.dist_json(s.output_dist, s.max_tokens),
             "prefix_tokens": s.prefix_tokens, "prefix_groups": s.prefix_groups if s.prefix_tokens else None,
             "turns": s.conversation.turns, "think_time_s": s.conversation.think_time_s,
-            "prompt_mode": "token ids" if self.pool is not None else "exact text" if self.exact else "estimated text",
+            "prompt_mode": ("dataset text" if s.dataset else "token ids" if self.pool is not None else
+                            "exact text" if self.exact else "estimated text"),
             "server_prompt_cache": self.cache,
             "dataset": None, "trace": None,
         }
@@ -86,35 +87,31 @@ class Traffic:
                             "block_tokens": s.trace_block_tokens}
         return out
 
-    def trace_rate(self) -> float:
-        """A trace's mean arrival rate at its time scale (requests/s): the value of its one level."""
-        offsets = workload.trace_offsets(self.rows, self.s.time_scale)
-        span = offsets[-1] if offsets else 0.0
-        return round((len(offsets) - 1) / span, 4) if span > 0 else float(len(offsets))
-
     # ---- a level's work
     async def level(self, n: int, level: float, repeat: int, warmup: bool = False) -> LevelWork:
         s = self.s
         self.counter += 1
         seed = s.seed * 1_000_003 + self.counter
-        if s.trace and not warmup:
-            return await self._trace_level(level, repeat)
+        if s.trace:  # a warm-up sends the trace's first rows, one after another
+            return await self._trace_level(level, repeat, n if warmup else None)
         if s.conversation.turns > 1 and not warmup:
-            return LevelWork(conversations=[Conversation(self, i, level, repeat, seed) for i in range(n)])
+            groups = workload.prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
+            return LevelWork(conversations=[Conversation(self, i, level, repeat, seed, groups[i]) for i in range(n)])
         out = LevelWork()
         if s.dataset:
             for i in range(n):
                 entry = self.entries[i % len(self.entries)]
+                drawn = workload.sample_lengths(s.output_dist, s.max_tokens, 1, seed * 7919 + i)[0]
                 rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup, source_line=entry.line,
-                                    max_tokens=await self._entry_output(entry, seed, i))
+                                    max_tokens=await self.output_length(entry.output_tokens, entry.reply, drawn))
                 out.requests.append((self.request(self._entry_prompt(entry.messages), rec), rec))
             return out
         lengths = workload.sample_lengths(s.prompt_dist, s.prompt_tokens, n, seed)
-        outputs = workload.sample_lengths(s.output_dist, s.max_tokens, n, seed + 1)
+        outputs = workload.sample_lengths(s.output_dist, s.max_tokens, n, seed + OUTPUT_SEED)
         groups = workload.prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
         for i in range(n):
             rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup, prefix_group=groups[i],
-                                target_prompt_tokens=lengths[i] if self.exact else None, max_tokens=outputs[i])
+                                target_prompt_tokens=lengths[i], max_tokens=outputs[i])
             prompt = await self.prompt(lengths[i], groups[i], seed * 7919 + i)
             out.requests.append((self.request(prompt, rec), rec))
         return out
@@ -122,15 +119,17 @@ class Traffic:
     def request(self, prompt: Prompt, rec: RequestRecord) -> Request:
         return self.backend.request(prompt, rec.max_tokens, self.s.api, cache=self.cache)
 
-    async def _trace_level(self, level: float, repeat: int) -> LevelWork:
+    async def _trace_level(self, level: float, repeat: int, warmup: Optional[int] = None) -> LevelWork:
+        """The trace's rows on their own times; a warm-up (warmup: how many) its first rows, untimed."""
         s, out = self.s, LevelWork()
         assert self.pool is not None
-        for i, row in enumerate(self.rows):
-            rec = RequestRecord(index=i, level=level, repeat=repeat, source_line=row.line,
+        for i, row in enumerate(self.rows if warmup is None else self.rows[:warmup]):
+            rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup is not None, source_line=row.line,
                                 target_prompt_tokens=row.input_length, max_tokens=row.output_length)
             ids = workload.trace_prompt(row, self.pool, s.trace_block_tokens, s.seed, i)
             out.requests.append((self.request(ids, rec), rec))
-        out.offsets_s = workload.trace_offsets(self.rows, s.time_scale)
+        if warmup is None:
+            out.offsets_s = workload.trace_offsets(self.rows, s.time_scale)
         return out
 
     # ---- prompts
@@ -162,7 +161,10 @@ class Traffic:
                     return len(await self.backend.tokenize(session, text))
 
                 rng = random.Random(f"prefix:{s.seed}:{group}")
-                self._prefixes[group] = await prompts.exact_text(count, s.prefix_tokens, rng, self.session) or ""
+                text = await prompts.exact_text(count, s.prefix_tokens, rng, self.session)
+                if text is None:
+                    raise RuntimeError(f"could not build a shared prefix of exactly {s.prefix_tokens} tokens")
+                self._prefixes[group] = text
             else:
                 self._prefixes[group] = prompts.estimated_text(1, s.prefix_tokens, s.seed * 31 + group)[0]
         return self._prefixes[group]
@@ -198,45 +200,51 @@ class Traffic:
             raise ConfigError(f"scenario.dataset={s.dataset}: no entry has a prompt of at most "
                               f"scenario.prompt_tokens={s.prompt_tokens} tokens")
 
-    async def _entry_output(self, entry: workload.Entry, seed: int, i: int) -> int:
-        """Output tokens for a dataset entry: its own output_tokens, else its reply's length, else the
-        scenario's output distribution; at most scenario.max_tokens."""
-        s = self.s
-        n = entry.output_tokens
-        if n is None and entry.reply:
-            n = await self.prompt_length(entry.reply)
-        if n is None:
-            n = workload.sample_lengths(s.output_dist, s.max_tokens, 1, seed * 7919 + i)[0]
-        return max(1, min(n, s.max_tokens))
-
+    async def output_length(self, given: Optional[int], reply: Optional[str], drawn: int) -> int:
+        """Output tokens for a dataset request: the entry's own output_tokens (given), else the length
+        of its reply, else the scenario's output distribution (drawn); at most scenario.max_tokens."""
+        n = given if given is not None else await self.prompt_length(reply) if reply else drawn
+        return max(1, min(n, self.s.max_tokens))
 
 class Conversation:
     """One multi-turn conversation (loadgen.Conversation): every turn sends the whole history (the
-    earlier prompts and the server's own answers) and a new user message. With token ids the history
-    is the earlier turn's prompt ids plus the server's tokens for its answer, so the server can serve
-    the history from its cache; with the chat API it is the messages so far."""
+    earlier prompts and the server's own answers) and a new user message. The answer goes back as
+    text, as a chat client sends it: with token ids the history is the earlier turn's prompt ids plus
+    the server's tokenization of the answer's text (which may differ from the ids it generated), so the
+    server can serve at least the earlier prompt from its cache; with the chat API it is the messages so
+    far. A dataset entry's conversation replays its user messages after its system messages, each turn
+    asking for the length of the entry's own reply to it."""
 
-    def __init__(self, traffic: Traffic, index: int, level: float, repeat: int, seed: int):
+    def __init__(self, traffic: Traffic, index: int, level: float, repeat: int, seed: int,
+                 group: Optional[int]):
         s = traffic.s
-        self.traffic, self.index, self.level, self.repeat = traffic, index, level, repeat
+        self.traffic, self.index, self.level, self.repeat, self.group = traffic, index, level, repeat, group
         self.seed = seed * 104_729 + index
         rng = random.Random(self.seed)
         self.entry = traffic.entries[index % len(traffic.entries)] if traffic.entries else None
         turns = s.conversation.turns
+        self.system: list[workload.Message] = []
+        self.replies: list[Optional[str]] = []
         if self.entry is not None:
             turns = min(turns, len(self.entry.user_turns))
+            msgs = self.entry.messages
+            self.system = list(itertools.takewhile(lambda m: m.role == "system", msgs))
+            self.replies = [msgs[i + 1].content if i + 1 < len(msgs) and msgs[i + 1].role == "assistant" else None
+                            for i, m in enumerate(msgs) if m.role == "user"]
+            self.replies[-1] = self.entry.reply
         self.turns = turns
         mean = s.conversation.think_time_s
         self.think_s = [0.0] + [rng.expovariate(1 / mean) if mean > 0 else 0.0 for _ in range(turns - 1)]
         self.lengths = workload.sample_lengths(s.prompt_dist, s.prompt_tokens, turns, self.seed)
-        self.outputs = workload.sample_lengths(s.output_dist, s.max_tokens, turns, self.seed + 1)
-        self.group = workload.prefix_groups_of(1, s.prefix_groups, self.seed)[0] if s.prefix_tokens else None
+        self.outputs = workload.sample_lengths(s.output_dist, s.max_tokens, turns, self.seed + OUTPUT_SEED)
         self.history: Any = None  # token ids, a text or messages
 
     async def turn(self, t: int, previous: Optional[RequestRecord]) -> tuple[Request, RequestRecord]:
         tr, s = self.traffic, self.traffic.s
         if previous is not None:
             self.history = await self._with_answer(self.history, "".join(previous.text or []))
+        elif self.system:
+            self.history = await self._as_history(self.system)
         new = await self._new_message(t)
         if tr.pool is not None:
             prompt = (self.history or []) + new
@@ -248,9 +256,24 @@ class Conversation:
         rec = RequestRecord(index=self.index * s.conversation.turns + t, level=self.level, repeat=self.repeat,
                             conversation=self.index, turn=t, prefix_group=self.group if t == 0 else None,
                             target_prompt_tokens=len(prompt) if tr.pool is not None else None,
-                            max_tokens=self.outputs[t], text=[] if t + 1 < self.turns else None,
+                            max_tokens=await self._output(t), text=[] if t + 1 < self.turns else None,
                             source_line=self.entry.line if self.entry else None)
         return tr.request(prompt, rec), rec
+
+    async def _output(self, t: int) -> int:
+        """Output tokens of turn t: a dataset entry's own for that turn (Traffic.output_length; its
+        output_tokens counts for its last turn), else the scenario's output distribution."""
+        if self.entry is None:
+            return self.outputs[t]
+        given = self.entry.output_tokens if t == len(self.replies) - 1 else None
+        return await self.traffic.output_length(given, self.replies[t], self.outputs[t])
+
+    async def _as_history(self, messages: list[workload.Message]) -> Any:
+        tr = self.traffic
+        if tr.s.api == "chat":
+            return [{"role": m.role, "content": m.content} for m in messages]
+        text = "\n\n".join(m.content for m in messages)
+        return await tr.backend.tokenize(tr.session, text) if tr.pool is not None else text
 
     async def _new_message(self, t: int) -> Any:
         tr = self.traffic

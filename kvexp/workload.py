@@ -31,6 +31,8 @@ DATASETS_DIR = Path(__file__).parent / "datasets"
 EXPECTED_MEAN_SAMPLES = 20000  # samples behind the mean of a clipped normal or lognormal
 MAX_GROUPS = 65_536  # shared prefixes of a scenario
 MAX_TURNS = 1000  # turns of a conversation
+MAX_TIME_SCALE = 1000.0  # a trace slowed down more than this is a typo
+MAX_TRACE_SPAN_S = 7 * 24 * 3600  # a replay longer than a week (scaled) is a typo
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -62,9 +64,18 @@ def _kind(d: LengthDist, key: str) -> DistKind:
         raise ConfigError(f"{key}.kind={d.kind!r}: allowed values are {', '.join(k.value for k in DistKind)}") from None
 
 
+# the fields each kind reads (a field given to a kind that does not read it is refused, not ignored)
+DIST_FIELDS = {DistKind.fixed: (), DistKind.uniform: ("min", "max"), DistKind.normal: ("min", "max", "std"),
+               DistKind.lognormal: ("min", "max", "sigma"), DistKind.histogram: ("bins", "weights")}
+
+
 def check_dist(d: LengthDist, centre: int, key: str) -> None:
     """Refuse a distribution that cannot be sampled, with one line starting with `key`."""
     kind = _kind(d, key)
+    for name in ("min", "max", "std", "sigma", "bins", "weights"):
+        given = getattr(d, name) not in (None, [])
+        _require(not given or name in DIST_FIELDS[kind],
+                 f"{key}.{name}: kind={kind} does not use it (it reads {', '.join(DIST_FIELDS[kind]) or 'nothing'})")
     if kind == DistKind.fixed:
         return
     if kind == DistKind.histogram:
@@ -239,6 +250,9 @@ def _records(path: str | Path, parse: Callable[[int, Any], Any]) -> list:
                     raise DataError(f"{shown} line {n}: not UTF-8") from None
                 if not text.strip():
                     continue
+                if not out and text.lstrip().startswith("["):  # ShareGPT's files are one JSON array
+                    raise DataError(f"{shown} line {n}: a JSON array: kvexp reads JSONL, one object per line "
+                                    f"(convert with `jq -c '.[]' {shown}`)")
                 try:
                     value = json.loads(text)
                 except json.JSONDecodeError as e:
@@ -465,7 +479,8 @@ def resets_cache(s: ScenarioConfig) -> bool:
     return s.reset_cache and reuses_cache(s)
 
 
-def _trace_rows(s: ScenarioConfig) -> list[TraceRow]:
+def trace_rows(s: ScenarioConfig) -> list[TraceRow]:
+    """The rows a trace scenario replays: the first scenario.requests of its file."""
     return load_trace(resolve_path(s.trace or ""))[:s.requests]
 
 
@@ -474,7 +489,7 @@ def longest_request(s: ScenarioConfig) -> tuple[int, int]:
     A conversation's last turn sends every turn before it (prompts and answers) as its prompt; a
     dataset's prompts are at most prompt_tokens (longer ones are left out)."""
     if s.trace:
-        row = max(_trace_rows(s), key=lambda r: r.input_length + r.output_length)
+        row = max(trace_rows(s), key=lambda r: r.input_length + r.output_length)
         return row.input_length, row.output_length
     prompt = s.prompt_tokens if s.dataset else bounds(s.prompt_dist, s.prompt_tokens)[1]
     output = s.max_tokens if s.dataset else bounds(s.output_dist, s.max_tokens)[1]
@@ -491,7 +506,7 @@ def mean_lengths(s: ScenarioConfig) -> tuple[float, float]:
     """(mean prompt tokens, mean output tokens) of a request: what the planner's KV usage is made of.
     A conversation's turn t (from 0) sends t earlier turns as history; a dataset counts at its caps."""
     if s.trace:
-        rows = _trace_rows(s)
+        rows = trace_rows(s)
         return (sum(r.input_length for r in rows) / len(rows), sum(r.output_length for r in rows) / len(rows))
     if s.dataset:
         prompt, output = float(s.prompt_tokens), float(s.max_tokens)
@@ -503,19 +518,16 @@ def mean_lengths(s: ScenarioConfig) -> tuple[float, float]:
 
 def trace_rate(s: ScenarioConfig) -> float:
     """A trace's mean arrival rate at its time scale (requests/s): the value of its one level."""
-    offsets = trace_offsets(_trace_rows(s), s.time_scale)
-    span = offsets[-1] if offsets else 0.0
-    return round((len(offsets) - 1) / span, 4) if span > 0 else float(len(offsets))
+    offsets = trace_offsets(trace_rows(s), s.time_scale)
+    return float(f"{(len(offsets) - 1) / offsets[-1]:.4g}")  # check_scenario: the span is > 0
 
 
 def dist_json(d: LengthDist, centre: int) -> dict[str, Any]:
     """A length distribution as the result records it (with its mean)."""
     out: dict[str, Any] = {"kind": str(d.kind), "centre": centre}
-    for key in ("min", "max", "std", "sigma"):
-        if getattr(d, key) is not None and d.kind != DistKind.fixed:
-            out[key] = getattr(d, key)
-    if d.kind == DistKind.histogram:
-        out.update(bins=list(d.bins), weights=list(d.weights))
+    for key in DIST_FIELDS[DistKind(d.kind)]:
+        value = getattr(d, key)
+        out[key] = list(value) if isinstance(value, list) else value
     out["mean"] = round(expected_mean(d, centre), 3)
     return out
 
@@ -533,31 +545,64 @@ def check_scenario(s: ScenarioConfig) -> None:
     c = s.conversation
     _require(1 <= c.turns <= MAX_TURNS, f"scenario.conversation.turns={c.turns}: must be in 1..{MAX_TURNS}")
     _require(0 <= c.think_time_s <= 3600, f"scenario.conversation.think_time_s={c.think_time_s}: must be in 0..3600 s")
+    if c.turns > 1:
+        _require(not s.rates and s.search != "rate" and not s.max_start_rate and not s.max_concurrency,
+                 "scenario.conversation.turns > 1: conversations run closed loop (a level's concurrency is the "
+                 "conversations in flight); leave scenario.rates, max_concurrency and max_start_rate unset")
+    _require(not s.prefix_tokens or s.prefix_groups <= s.requests,
+             f"scenario.prefix_groups={s.prefix_groups}: more groups than the {s.requests} requests (or "
+             "conversations) of a level, so no prefix would be shared; lower it")
+    if s.dataset or s.trace:
+        what = "scenario.dataset" if s.dataset else "scenario.trace"
+        _require(not s.prefix_tokens, f"{what} with scenario.prefix_tokens: the file's prompts are sent as they are; "
+                 "give one")
+        _require(s.prompt_dist.kind == DistKind.fixed, f"{what} with scenario.prompt_dist: the file's prompts have "
+                 "their own lengths; leave prompt_dist fixed")
+    if s.trace:
+        _require(s.output_dist.kind == DistKind.fixed, "scenario.trace with scenario.output_dist: the trace gives "
+                 "each row's output length; leave output_dist fixed")
     _require(not (s.dataset and s.trace), "scenario.dataset and scenario.trace are both set: give one")
     _require(not (s.trace and c.turns > 1), "scenario.trace with scenario.conversation.turns > 1: a trace's rows "
           "are single requests; give one")
     _require(not (s.trace and s.prefix_tokens), "scenario.trace with scenario.prefix_tokens: a trace's prefixes are "
           "its hash_ids; give one")
-    _require(s.time_scale > 0, f"scenario.time_scale={s.time_scale}: must be > 0 (1: the trace's own pace)")
-    _require(1 <= s.trace_block_tokens <= MAX_TOKENS, f"scenario.trace_block_tokens={s.trace_block_tokens}: must be >= 1")
+    _require(math.isfinite(s.time_scale) and 0 < s.time_scale <= MAX_TIME_SCALE,
+             f"scenario.time_scale={s.time_scale}: must be > 0 and <= {MAX_TIME_SCALE:g} (1: the trace's own pace)")
+    _require(1 <= s.trace_block_tokens <= MAX_TOKENS,
+             f"scenario.trace_block_tokens={s.trace_block_tokens}: must be in 1..{MAX_TOKENS:,}")
     if s.dataset:
-        load_dataset(resolve_path(s.dataset))
+        _file_key("scenario.dataset", s.dataset, load_dataset)
     if s.trace:
         _require(not s.concurrency and not s.rates and not s.search,
               "scenario.trace: a trace is its own schedule; leave scenario.concurrency and scenario.rates empty "
               "(concurrency=[]) and scale it with scenario.time_scale")
-        _trace_rows(s)
+        rows = _file_key("scenario.trace", s.trace, lambda path: load_trace(path)[:s.requests])
+        span = trace_offsets(rows, s.time_scale)[-1]
+        _require(span > 0, f"scenario.trace={s.trace}: its first {len(rows)} row(s) have one timestamp: a trace is "
+                 "replayed on its arrival times, so it needs two different ones")
+        _require(span <= MAX_TRACE_SPAN_S, f"scenario.trace={s.trace}: its {len(rows)} rows span {span:,.0f} s at "
+                 f"time_scale={s.time_scale:g}, over {MAX_TRACE_SPAN_S // 3600} hours: lower scenario.time_scale or "
+                 "scenario.requests")
+
+
+def _file_key(key: str, name: str, load: Callable[[Path], Any]) -> Any:
+    """load(the file `name` stands for), its errors starting with the key that named the file."""
+    try:
+        return load(resolve_path(name))
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
 
 
 
 
-def _words(rng: random.Random, n: int) -> list[str]:
+def words(rng: random.Random, n: int) -> list[str]:
+    """n made-up lowercase words of 2 to 8 letters (prompts and example files)."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(n)]
 
 
 def _text(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(_words(rng, rng.randint(lo, hi)))
+    return " ".join(words(rng, rng.randint(lo, hi)))
 
 
 def _example_chat(rng: random.Random) -> list[tuple[str, str]]:

@@ -352,3 +352,17 @@ def test_every_gpu_preset_states_nvmls_mib_and_converts_it_like_nvml(preset):
     y = OmegaConf.load(path)
     assert y.name == GPU_PRESETS[preset]
     assert y.memory_gib == round(int(mib.group(1)) / 1024, 2)
+
+
+def test_shared_prefix_blocks_are_held_once_per_group():
+    from kvexp.planner import kv_usage, max_concurrency
+
+    # 10 blocks of 128 tokens; requests of 512 + 32 tokens (5 blocks), 384 of them a shared prefix (3 full
+    # blocks): 2 groups hold 6 blocks, each request 2 of its own
+    assert max_concurrency(1280, 544, 128) == 2
+    assert max_concurrency(1280, 544, 128, 384, 2) == 2  # 2 x 3 + 2 x 2 = 10
+    assert max_concurrency(1280, 544, 128, 384, 1) == 3  # 3 + 3 x 2 = 9
+    assert kv_usage(2, 1280, 544, 128) == 1.0
+    assert kv_usage(2, 1280, 544, 128, 384, 1) == pytest.approx((3 + 2 * 2) / 10)
+    assert kv_usage(1, 1280, 544, 128, 384, 4) == pytest.approx(5 / 10)  # one request: its prefix once
+    assert kv_usage(2, 1280, 544, 128, 100, 1) == 1.0  # a prefix shorter than a block shares nothing

@@ -109,10 +109,13 @@ def test_check_dist_rejects_with_the_key(d, what):
     assert what in msg and "\n" not in msg, msg
 
 
-def test_check_dist_accepts_good_ones_and_fixed_ignores_min_max():
+def test_check_dist_accepts_good_ones_and_refuses_fields_a_kind_does_not_use():
     for d in DISTS.values():
         workload.check_dist(d, CENTRE, "scenario.output_dist")
-    workload.check_dist(LengthDist(kind="fixed", min=500, max=1), CENTRE, "k")
+    assert str(_raises(lambda: workload.check_dist(LengthDist(kind="fixed", min=500), CENTRE, "k"))) == \
+        "k.min: kind=fixed does not use it (it reads nothing)"
+    assert str(_raises(lambda: workload.check_dist(LengthDist(kind="uniform", min=1, max=9, std=2.0), 5, "k"))) == \
+        "k.std: kind=uniform does not use it (it reads min, max)"
     assert str(_raises(lambda: workload.check_dist(LengthDist(kind="uniform"), 5, "scenario.output_dist"))) == \
         "scenario.output_dist: kind=uniform needs min and max"
 

@@ -162,7 +162,8 @@ class LlamaCpp(Adapter):
         context = b.context or (1 if unified else slots) * (workload.longest_sequence(s) + CONTEXT_MARGIN)
         sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
-                   f"derived: {'' if unified else 'parallel x '}(prompt + output + {CONTEXT_MARGIN})"}
+                   f"derived: {'' if unified else 'parallel x '}(the longest request's prompt + output + "
+                   f"{CONTEXT_MARGIN})"}
         argv = None
         if self.program and self.model_path:
             argv = [self.program, "-m", self.model_path, "--alias", self.served_name,
