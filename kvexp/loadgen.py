@@ -20,7 +20,9 @@ carries the same time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import gc
 import json
 import math
 import multiprocessing
@@ -31,7 +33,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import aiohttp
 
@@ -416,7 +418,7 @@ class LoadGenerator:
         """Await `sending` (a coroutine returning the level's records) on this event loop, measuring
         the loop's wake-up lag and the process's CPU while it runs."""
         cpu0, t0 = time.process_time(), time.perf_counter()
-        with LoopLagMonitor() as lag:
+        with LoopLagMonitor() as lag, no_gc_pauses():
             records = await sending
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
         return LevelRun(records=records, workers=1, in_process=True, event_loop=loop_name(),
@@ -431,6 +433,24 @@ class LoadGenerator:
 def _close_pools(pools: list["WorkerPool"], grace_s: float = 5.0) -> None:
     while pools:
         pools.pop().close(grace_s)
+
+
+@contextlib.contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """No garbage-collector pause while a level is measured: in a long-lived process (a sweep runs
+    every job in one) a full collection stops the event loop for tens of milliseconds, and every
+    timestamp taken behind it is late. What exists is collected and frozen first (never scanned again),
+    and collection resumes when the level ends."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+        gc.unfreeze()
 
 
 def start_throttle(max_start_rate: Optional[float]) -> Any:
@@ -828,7 +848,7 @@ async def _worker(conn: Any, options: ClientOptions, streamer: Streamer, origin:
                 await asyncio.sleep(delay)
             cpu0, t0 = time.process_time(), time.perf_counter()
             reporter = loop.create_task(report())
-            with LoopLagMonitor() as lag:
+            with LoopLagMonitor() as lag, no_gc_pauses():
                 if spec["concurrency"] is not None:
                     records = await lg.closed_loop(reqs, spec["concurrency"], throttle, bodies)
                 else:
