@@ -450,6 +450,10 @@ def cmd_plan(argv: list[str]) -> int:
     try:
         argv, gpus = whatif_args(argv)
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
+        from kvexp import workload
+
+        for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows)
+            workload.check_scenario(cfg.scenario)
     except (ConfigError, ValueError) as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
