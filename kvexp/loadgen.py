@@ -439,10 +439,10 @@ def _close_pools(pools: list["WorkerPool"], grace_s: float = 5.0) -> None:
 def no_gc_pauses() -> Iterator[None]:
     """No garbage-collector pause while a level is measured: in a long-lived process (a sweep runs
     every job in one) a full collection stops the event loop for tens of milliseconds, and every
-    timestamp taken behind it is late. What exists is collected and frozen first (never scanned again),
-    and collection resumes when the level ends."""
+    timestamp taken behind it is late. What exists is frozen (not scanned until the level ends), and
+    collection resumes when it ends. No collection is forced here: one runs finalisers and weakref
+    callbacks, where an exception raised by a signal handler (Ctrl-C) would be ignored."""
     was = gc.isenabled()
-    gc.collect()
     gc.freeze()
     gc.disable()
     try:

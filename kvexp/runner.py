@@ -442,7 +442,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                                     _caps(s))
     level.warnings += workload_warnings(
         workload.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
-        0 if hung else sum(c.turns for c in work.conversations) - len(records),
+        sum(c.turns for c in work.conversations) - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
