@@ -540,8 +540,8 @@ def check_scenario(s: ScenarioConfig) -> None:
     _require(1 <= s.prefix_groups <= MAX_GROUPS, f"scenario.prefix_groups={s.prefix_groups}: must be in 1..{MAX_GROUPS:,}")
     shortest = bounds(s.prompt_dist, s.prompt_tokens)[0]
     _require(s.prefix_tokens < shortest or not s.prefix_tokens or s.dataset or s.trace,
-          f"scenario.prefix_tokens={s.prefix_tokens}: must be shorter than the shortest prompt ({shortest} tokens), "
-          "which holds the prefix and a part of its own")
+             f"scenario.prefix_tokens={s.prefix_tokens}: must be shorter than the shortest prompt ({shortest} tokens), "
+             "which holds the prefix and a part of its own")
     c = s.conversation
     _require(1 <= c.turns <= MAX_TURNS, f"scenario.conversation.turns={c.turns}: must be in 1..{MAX_TURNS}")
     _require(0 <= c.think_time_s <= 3600, f"scenario.conversation.think_time_s={c.think_time_s}: must be in 0..3600 s")
@@ -552,6 +552,7 @@ def check_scenario(s: ScenarioConfig) -> None:
     _require(not s.prefix_tokens or s.prefix_groups <= s.requests,
              f"scenario.prefix_groups={s.prefix_groups}: more groups than the {s.requests} requests (or "
              "conversations) of a level, so no prefix would be shared; lower it")
+    _require(not (s.dataset and s.trace), "scenario.dataset and scenario.trace are both set: give one")
     if s.dataset or s.trace:
         what = "scenario.dataset" if s.dataset else "scenario.trace"
         _require(not s.prefix_tokens, f"{what} with scenario.prefix_tokens: the file's prompts are sent as they are; "
@@ -561,11 +562,8 @@ def check_scenario(s: ScenarioConfig) -> None:
     if s.trace:
         _require(s.output_dist.kind == DistKind.fixed, "scenario.trace with scenario.output_dist: the trace gives "
                  "each row's output length; leave output_dist fixed")
-    _require(not (s.dataset and s.trace), "scenario.dataset and scenario.trace are both set: give one")
     _require(not (s.trace and c.turns > 1), "scenario.trace with scenario.conversation.turns > 1: a trace's rows "
-          "are single requests; give one")
-    _require(not (s.trace and s.prefix_tokens), "scenario.trace with scenario.prefix_tokens: a trace's prefixes are "
-          "its hash_ids; give one")
+             "are single requests; give one")
     _require(math.isfinite(s.time_scale) and 0 < s.time_scale <= MAX_TIME_SCALE,
              f"scenario.time_scale={s.time_scale}: must be > 0 and <= {MAX_TIME_SCALE:g} (1: the trace's own pace)")
     _require(1 <= s.trace_block_tokens <= MAX_TOKENS,
@@ -574,8 +572,8 @@ def check_scenario(s: ScenarioConfig) -> None:
         _file_key("scenario.dataset", s.dataset, load_dataset)
     if s.trace:
         _require(not s.concurrency and not s.rates and not s.search,
-              "scenario.trace: a trace is its own schedule; leave scenario.concurrency and scenario.rates empty "
-              "(concurrency=[]) and scale it with scenario.time_scale")
+                 "scenario.trace: a trace is its own schedule; leave scenario.concurrency and scenario.rates empty "
+                 "(concurrency=[]) and scale it with scenario.time_scale")
         rows = _file_key("scenario.trace", s.trace, lambda path: load_trace(path)[:s.requests])
         span = trace_offsets(rows, s.time_scale)[-1]
         _require(span > 0, f"scenario.trace={s.trace}: its first {len(rows)} row(s) have one timestamp: a trace is "
