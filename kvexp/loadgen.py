@@ -44,8 +44,9 @@ ERROR_KINDS = ("timeout", "http_status", "connection", "protocol")
 STREAMS_PER_WORKER = 64  # workers=auto: one worker process per this many concurrent streams
 PROGRESS_INTERVAL_S = 0.25  # how often a worker reports finished requests to the parent
 WORKER_START_TIMEOUT_S = 120.0
-ABANDON_GRACE_S = 0.5
-SPIN_S = 0.002  # a scheduled start's last stretch, waited by yielding rather than by a timer  # workers of a level cut short get this long to stop before they are killed
+ABANDON_GRACE_S = 0.5  # workers of a level cut short get this long to stop before they are killed
+SPIN_S = 0.002  # a scheduled start's last stretch, waited by yielding rather than by a timer
+SPIN_SHARE = 0.25  # at most this share of each second goes to such waits (beyond it: the timer alone)
 
 
 @dataclass
@@ -194,6 +195,7 @@ class LoadGenerator:
             self.headers["Connection"] = "close"
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
         self.reads = 0  # response reads so far on this event loop
+        self.spin_window_s, self.spun_s = 0.0, 0.0  # this second of the run, and time spent yielding in it
         weakref.finalize(self, _close_pools, self._pools)
 
     def now(self) -> float:
@@ -202,12 +204,22 @@ class LoadGenerator:
     async def until(self, t: float) -> None:
         """Wait until time t on this run's clock. The event loop's timers wake up to a millisecond late
         (epoll and libuv count milliseconds), so the last SPIN_S are waited by yielding to the loop
-        (other requests' streams go on meanwhile) instead of by a timer."""
+        (other requests' streams go on meanwhile) instead of by a timer; yielding keeps a core busy, so
+        it takes at most SPIN_SHARE of each second (at high rates starts are then up to a millisecond
+        late, the timer's own error, rather than the client's CPU figures being inflated)."""
         delay = t - self.now()
         if delay > SPIN_S:
             await asyncio.sleep(delay - SPIN_S)
+        now = self.now()
+        if now - self.spin_window_s >= 1.0:
+            self.spin_window_s, self.spun_s = now, 0.0
+        if self.spun_s >= SPIN_SHARE:
+            if t > now:
+                await asyncio.sleep(t - now)
+            return
         while self.now() < t:
             await asyncio.sleep(0)
+        self.spun_s += self.now() - now
 
     async def send(self, req: Request, rec: RequestRecord, data: Optional[bytes] = None) -> RequestRecord:
         """Send one streaming request and time it. Never raises for a failed request. `data` is the

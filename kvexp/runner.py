@@ -23,7 +23,7 @@ from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_
 from kvexp.paths import SpaceReserve
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.levels import Level, kv_peak, level_warnings, workload_warnings
-from kvexp.loadgen import LoadGenerator, Observer, RequestRecord, arrival_offsets, make_session
+from kvexp.loadgen import LoadGenerator, Observer, arrival_offsets, make_session
 from kvexp.results import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                            level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.telemetry import TelemetrySampler
@@ -370,7 +370,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     sampler.window()
     gauges.window()
     if observer:
-        observer.level_started(value, len(reqs) or sum(c.turns for c in work.conversations), repeat)
+        observer.level_started(value, work.size, repeat)
     hung = None
     try:
         if work.conversations:
@@ -435,14 +435,14 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     level.workload = stats.workload_view(records, work.offsets_s is not None)
     level.prefix_cache = backend.prefix_cache(records, counters_before, counters_after)
     level.cache_reset = cache_reset
-    level.turns = stats.turn_table(records, [_cached(backend, r) for r in records]) if work.conversations else None
+    level.turns = stats.turn_table(records, [backend.cached_tokens(r) for r in records]) if work.conversations else None
     done = [r for r in records if r.ok]
     level.warnings = level_warnings(level, done, backend.capabilities.forces_output_length,
                                     limits, _predicted_usage(job.result.get("planner"), level.concurrency),
                                     _caps(s))
     level.warnings += workload_warnings(
         workload.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
-        sum(c.turns for c in work.conversations) - len(records) if work.conversations and not hung else 0,
+        work.size - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
@@ -459,12 +459,6 @@ async def _reset_cache(backend: Adapter, session: aiohttp.ClientSession) -> dict
     except (aiohttp.ClientError, asyncio.TimeoutError, BackendError) as e:
         return {"done": False, "how": f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
     return {"done": how is not None, "how": how or f"{backend.name} offers no way to reset its cache"}
-
-
-def _cached(backend: Adapter, r: RequestRecord) -> Optional[float]:
-    """Prompt tokens the server says it served from its cache for one request (None: not stated)."""
-    timing = backend.request_timing(r.server_timings, r.output_tokens) if r.ok else None
-    return None if timing is None else timing.get("cached_tokens")
 
 
 def _caps(s: Any) -> Optional[str]:

@@ -36,6 +36,11 @@ class LevelWork:
     conversations: list["Conversation"] = field(default_factory=list)
     offsets_s: Optional[list[float]] = None
 
+    @property
+    def size(self) -> int:
+        """Requests the level asks to send (every turn of every conversation)."""
+        return len(self.requests) + sum(c.turns for c in self.conversations)
+
 
 class Traffic:
     """Builds every level's work for one job (one server)."""
@@ -49,6 +54,7 @@ class Traffic:
         self._prefixes: dict[int, Prompt] = {}
         self.entries: list[workload.Entry] = []
         self.left_out = 0  # dataset entries over prompt_tokens
+        self._reply_tokens: dict[str, int] = {}  # a dataset reply's length, as the server counts it
         self.rows: list[workload.TraceRow] = []
 
     @classmethod
@@ -202,8 +208,11 @@ class Traffic:
 
     async def output_length(self, given: Optional[int], reply: Optional[str], drawn: int) -> int:
         """Output tokens for a dataset request: the entry's own output_tokens (given), else the length
-        of its reply, else the scenario's output distribution (drawn); at most scenario.max_tokens."""
-        n = given if given is not None else await self.prompt_length(reply) if reply else drawn
+        of its reply (counted once per job: every level sends the same entries), else the scenario's
+        output distribution (drawn); at most scenario.max_tokens."""
+        if given is None and reply and reply not in self._reply_tokens:
+            self._reply_tokens[reply] = await self.prompt_length(reply)
+        n = given if given is not None else self._reply_tokens[reply] if reply else drawn
         return max(1, min(n, self.s.max_tokens))
 
 class Conversation:

@@ -85,3 +85,25 @@ def test_worker_processes_on_the_real_server(llama_server, tmp_path):
     assert env["event_loop"].split()[0] in ("uvloop", "asyncio")
     assert len(reqs) == 10 and all(q["output_tokens"] == 16 and q["token_times_s"] for q in reqs)
     assert len({q["index"] for q in reqs}) == 10
+
+
+def test_waiting_for_a_start_yields_at_most_its_share_of_each_second():
+    """until() yields the last stretch before a start instead of trusting a millisecond timer; at 2,000
+    starts a second that would keep a core busy, so it yields at most SPIN_SHARE of each second."""
+    import asyncio
+
+    from kvexp import loadgen
+
+    class Streamer:
+        stream_keepalive = True
+
+    async def run() -> loadgen.LoadGenerator:
+        lg = loadgen.LoadGenerator(None, Streamer())  # type: ignore[arg-type]
+        start = lg.now() + 0.01
+        await asyncio.gather(*(lg.until(start + i / 2000) for i in range(1900)))  # under one second
+        return lg
+
+    lg = asyncio.run(run())
+    # each waiter checks the budget as it starts yielding: the few that overlap it may pass it by their
+    # SPIN_S each (at 2,000/s about 4 overlap)
+    assert 0 < lg.spun_s <= loadgen.SPIN_SHARE + 8 * loadgen.SPIN_S

@@ -80,6 +80,11 @@ def test_llamacpp_conversation_history_grows_and_is_reused(llama_server, tmp_pat
     assert prompt[1] - prompt[0] >= 128 + 30
     assert turns[0]["mean_cached_tokens"] == 0
     assert turns[1]["mean_cached_tokens"] >= 128 and turns[2]["mean_cached_tokens"] >= prompt[1] * 0.9
+    # the cache never held more than the planner's bound for the longest turn (its history at full length)
+    (row,) = res["planner"]["levels"]
+    assert lv["peak_kv_cache_usage"] <= row["predicted_kv_usage_max"] + 0.02
+    assert row["predicted_kv_usage"] < row["predicted_kv_usage_max"]
+    assert not any(w["code"] == "kv_above_plan" for w in lv["warnings"])
     recs = requests_of(tmp_path)
     # a turn is sent no earlier than the previous turn of its conversation ended
     by_conv: dict[int, list[dict]] = {}

@@ -313,15 +313,20 @@ class Adapter:
         """Cumulative server counters and histogram sums, read before and after a level (None: none)."""
         return None
 
+    def cached_tokens(self, record: Any) -> Optional[float]:
+        """Prompt tokens the server says it served from its cache for one successful request (None: it
+        does not say)."""
+        timing = self.request_timing(record.server_timings, record.output_tokens) if record.ok else None
+        return None if timing is None else timing.get("cached_tokens")
+
     def prefix_cache(self, records: list[Any], before: Optional[dict[str, float]],
                      after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """Prompt tokens the server served from its prefix cache over a level (stats.prefix_cache_view):
         here from each request's own timings (llama.cpp: cache_n); None where the server does not say."""
         from kvexp import stats
 
-        pairs = [(t["cached_tokens"], r.prompt_tokens) for r in records if r.ok and r.prompt_tokens is not None
-                 and (t := self.request_timing(r.server_timings, r.output_tokens))
-                 and t.get("cached_tokens") is not None]
+        pairs = [(c, r.prompt_tokens) for r in records
+                 if r.prompt_tokens is not None and (c := self.cached_tokens(r)) is not None]
         if not pairs:
             return None
         return stats.prefix_cache_view(f"{self.server_timing_source}: cached prompt tokens",

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import aiohttp
 
 from kvexp import workload
+from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
 from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
@@ -301,17 +302,14 @@ class Ollama(Adapter):
         return opts
 
     def request(self, prompt: Any, max_tokens: int, api: str, cache: bool = False) -> Request:
-        if api == "chat" and isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            body: dict[str, Any] = {"model": self.model_tag, "stream": True, "truncate": False,
-                                    "options": self._options(max_tokens), "messages": prompt}
+        body: dict[str, Any] = {"model": self.model_tag, "stream": True, "truncate": False,
+                                "options": self._options(max_tokens)}
+        if api == "chat" and (isinstance(prompt, str) or prompt and isinstance(prompt[0], dict)):
+            body["messages"] = openai.chat_messages(prompt)
             return Request("/api/chat", body)
         if not isinstance(prompt, str):
             raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); "
                                "send text (kvexp.prompts.estimated_text)")
-        body = {"model": self.model_tag, "stream": True, "truncate": False, "options": self._options(max_tokens)}
-        if api == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-            return Request("/api/chat", body)
         if api != "completions":
             raise BackendError(f"ollama: unknown api {api!r} (completions | chat)")
         # raw: no chat template, so the prompt the server counts is the text sent (and no `context`

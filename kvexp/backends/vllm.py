@@ -477,7 +477,5 @@ class VLLM(Adapter):
                                 **stats.histogram_means(before, after, HISTOGRAMS)}
         done = stats.counter_delta(before, after, HISTOGRAMS["e2e_mean_ms"] + "_count")
         view["requests"] = None if done is None else int(done)
-        queries = stats.counter_delta(before, after, "vllm:prefix_cache_queries_total")
-        hits = stats.counter_delta(before, after, "vllm:prefix_cache_hits_total")
-        view["prefix_cache_hit_rate"] = round(hits / queries, 4) if queries and hits is not None else None
+        view["prefix_cache_hit_rate"] = (self.prefix_cache(records, before, after) or {}).get("hit_rate")
         return view
