@@ -335,7 +335,7 @@ def default_path() -> Path:
     env = os.environ.get(ENV_PATH)
     if env:
         return Path(os.path.expanduser(env))
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "calibration.json"
 

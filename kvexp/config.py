@@ -27,6 +27,15 @@ class FlashAttn(StrEnum):
     auto = "auto"
 
 
+class KVRotation(StrEnum):
+    """llama.cpp's rotation of quantised K/V (a Hadamard transform before quantising): auto is the
+    build's default (on for quantised types whose head size is a multiple of 64), off sets
+    LLAMA_ATTN_ROT_DISABLE=1 for the server and llama-perplexity."""
+
+    auto = "auto"
+    off = "off"
+
+
 class Api(StrEnum):
     completions = "completions"
     chat = "chat"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from kvexp import backends, noise
@@ -69,16 +69,37 @@ def level_value(level: dict, key: str) -> Any:
 class KVName:
     name: Optional[str]
     source: Optional[str]  # "requested" | "server" | "label" | None
+    note: Optional[str] = None  # KV numerics beside the dtype: "rotated", "not rotated", "scale 1.0"
 
     @property
     def display(self) -> str:
         if self.name is None:
             return "—"
-        return f"{self.name}†" if self.source == "label" else self.name
+        name = f"{self.name}†" if self.source == "label" else self.name
+        return f"{name} ({self.note})" if self.note else name
+
+
+def kv_note(run: dict, name: Optional[str]) -> Optional[str]:
+    """What the server did to its KV values besides their dtype, where it changes the numbers: llama.cpp's
+    rotation of a quantised cache (as its log states it), vLLM's fp8 scales (as launched)."""
+    kv = run.get("kv_cache") or {}
+    rotation = [kv.get("rotation_k"), kv.get("rotation_v")]
+    if any(rotation):
+        return "rotated" if all(rotation) else f"{'K' if rotation[0] else 'V'} rotated"
+    if rotation != [None, None] and str(name or "").startswith(("q", "iq")):
+        return "not rotated"
+    scales = str((run.get("numerics") or {}).get("kv_scales") or "")
+    return ("scales computed" if scales.startswith("computed") else "scale 1.0") if scales else None
 
 
 def kv_name(run: dict) -> KVName:
-    """The run's KV dtype: as requested, else as the server reported it, else read from the label."""
+    """The run's KV dtype: as requested, else as the server reported it, else read from the label; with
+    its numerics note (kv_note)."""
+    kv = _kv_name(run)
+    return replace(kv, note=kv_note(run, kv.name)) if kv.name else kv
+
+
+def _kv_name(run: dict) -> KVName:
     if run.get("kv_requested"):
         return KVName(str(run["kv_requested"]), "requested")
     kv = run.get("kv_cache") or {}
@@ -91,6 +112,15 @@ def kv_name(run: dict) -> KVName:
     if m:
         return KVName(m.group(1).lower(), "label")
     return KVName(None, None)
+
+
+def weights_display(run: dict) -> str:
+    """The weights a run's server ran, as a table shows them: "GGUF Q4_1, 5.74 bits/weight", "bfloat16"."""
+    w = run.get("weights") or {}
+    fmt, bits = w.get("weights_format"), w.get("bits_per_weight")
+    if fmt and bits and fmt.startswith("GGUF"):
+        return f"{fmt}, {bits:.2f} bits/weight"
+    return str(fmt) if fmt else "—"
 
 
 def run_kind(run: dict) -> str:

@@ -34,7 +34,7 @@ CLEANUP_GRACE_S = 5.0
 
 
 def records_dir() -> Path:
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "servers"
 

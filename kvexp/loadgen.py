@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import aiohttp
 
 from kvexp import machine
-from kvexp.backends.base import Request, StreamEvent
+from kvexp.backends.base import Request, StreamEvent, connector
 
 ERROR_KINDS = ("timeout", "http_status", "connection", "protocol")
 STREAMS_PER_WORKER = 64  # workers=auto: one worker process per this many concurrent streams
@@ -143,10 +143,8 @@ def make_session(base_url: str, max_connections: Optional[int], request_timeout_
                  stall_timeout_s: float, headers: Optional[dict[str, str]] = None) -> aiohttp.ClientSession:
     """The sending process's one session. max_connections None: no limit (an open loop's schedule is
     never held back by the pool)."""
-    connector = aiohttp.TCPConnector(limit=0 if max_connections is None else max(1, max_connections), limit_per_host=0,
-                                     force_close=False, enable_cleanup_closed=True)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_read=stall_timeout_s)
-    return aiohttp.ClientSession(base_url=base_url, connector=connector, timeout=timeout,
+    return aiohttp.ClientSession(base_url=base_url, connector=connector(max_connections), timeout=timeout,
                                  headers=headers, raise_for_status=False, request_class=TimedRequest)
 
 

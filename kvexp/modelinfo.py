@@ -1,7 +1,7 @@
 """Model architecture for the planner, read from the model itself where it is on disk.
 
-Sources, in order of trust: a Hugging Face `config.json` or a GGUF header (the `gguf` package's
-GGUFReader; only metadata and tensor shapes are read), the sizes of the weight files on disk, the
+Sources, in order of trust: a Hugging Face `config.json` or a GGUF header (kvexp/gguffile.py: only
+metadata and tensor shapes are read, once per file), the sizes of the weight files on disk, the
 ModelConfig preset ("preset"), the planner's built-in presets, and finally an estimate
 (params x bits / 8). Every number carries its source in `ModelArch.sources`.
 
@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from kvexp import embedded, gguffile
 from kvexp.config import ModelConfig
 from kvexp.planner import DEFAULT_DTYPE_BYTES, GIB_BYTES, PRESETS, ModelArch, estimate_weights_gib
 
@@ -23,7 +24,6 @@ __all__ = ["ModelArch", "arch_from", "arch_for", "model_files", "hf_config_field
 
 ARCH_KEYS = ("n_layers", "n_kv_heads", "head_dim", "params_b", "weight_bits", "dtype_bytes",
              "context_length_tokens")
-TINY = "@tiny"
 
 _DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4,
                 "float": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -103,9 +103,12 @@ def hf_config_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     dtype = _first(c, "torch_dtype", "dtype")
     if isinstance(dtype, str):
         put("dtype_bytes", _DTYPE_BYTES.get(dtype.lower().replace("torch.", "")))
+        sources["weights_format"] = dtype.lower().replace("torch.", "")
     quant = c.get("quantization_config") or cfg.get("quantization_config")
     if isinstance(quant, dict):
         put("weight_bits", _quant_bits(quant), "config.json quantization_config")
+        if quant.get("quant_method"):
+            sources["weights_format"] = str(quant["quant_method"])
     elif "dtype_bytes" in values:
         put("weight_bits", values["dtype_bytes"] * 8, "config.json dtype")
     put("context_length_tokens", _first(c, "max_position_embeddings", "n_positions", "max_seq_len"))
@@ -191,32 +194,11 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def _field_value(f: Any) -> Any:
-    """A GGUF field's value (ReaderField.contents where the gguf package has it)."""
-    if hasattr(f, "contents"):
-        return f.contents()
-    if len(f.data) != 1:
-        return [f.parts[i].tolist()[0] for i in f.data]
-    part = f.parts[f.data[0]]
-    return part.tobytes().decode("utf-8") if part.dtype.kind == "u" and part.itemsize == 1 else part.tolist()[0]
-
-
 def read_gguf_fields(path: Path) -> tuple[dict[str, Any], int, int]:
-    """(scalar metadata, total tensor elements, total tensor bytes) of a GGUF file's header."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path), "r")
-    meta: dict[str, Any] = {}
-    for name, f in reader.fields.items():
-        if name.startswith("tokenizer."):
-            continue
-        try:
-            meta[name] = _field_value(f)
-        except Exception:  # noqa: BLE001 - an odd field must not stop the planner
-            continue
-    n_params = sum(int(t.n_elements) for t in reader.tensors)
-    n_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    return meta, n_params, n_bytes
+    """(scalar metadata, total tensor elements, total tensor bytes) of a GGUF file's header (read in
+    milliseconds and cached per file: kvexp/gguffile.py)."""
+    h = gguffile.read_header(path)
+    return {k: v for k, v in h.metadata.items() if not k.startswith("tokenizer.")}, h.n_params, h.n_bytes
 
 
 def _gguf_shards(path: Path) -> list[Path]:
@@ -266,17 +248,12 @@ def model_files(model: ModelConfig, field: Optional[str]) -> Optional[Path]:
     None when not on disk (other fields, e.g. an Ollama tag, name no file kvexp reads). field None:
     whichever the model has (gguf when it has only that)."""
     if field == "gguf" or (field is None and model.gguf and not model.hf):
-        if model.gguf == TINY:
-            try:
-                from kvexp.tinymodels import tiny_gguf_path
-
-                p = tiny_gguf_path()
-                return p if p.is_file() else None
-            except ImportError:
-                return None
+        if embedded.is_embedded(model.gguf):
+            p = embedded.gguf_path(model.gguf)
+            return p if p is not None and p.is_file() else None
         p = Path(os.path.expanduser(model.gguf)) if model.gguf else None
         return p if p is not None and p.exists() else None
-    if field in ("hf", None) and model.hf and model.hf != TINY:
+    if field in ("hf", None) and model.hf and not embedded.is_embedded(model.hf):
         p = Path(os.path.expanduser(model.hf))
         if p.exists():
             return p
@@ -297,6 +274,7 @@ def _read_files(files: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ft = gguf_file_type(meta)
         if ft is not None:
             sources["file_type"] = ft
+            sources["weights_format"] = "GGUF " + ft.removeprefix("MOSTLY_")
         return values, sources
     return {}, {}
 
@@ -325,8 +303,9 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
                 sources[key] += f" (preset said {p})"
         elif builtin is not None and hasattr(builtin, key):
             values[key], sources[key] = getattr(builtin, key), "planner preset table"
-    if "file_type" in file_src:
-        sources["file_type"] = file_src["file_type"]
+    for key in ("file_type", "weights_format"):
+        if key in file_src:
+            sources[key] = file_src[key]
 
     on_disk = weights_bytes_on_disk(files) if files is not None and files.exists() else None
     if on_disk:
@@ -349,6 +328,13 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
         weight_bits=values.get("weight_bits"), dtype_bytes=values.get("dtype_bytes"),
         sources=sources, name=model.name, context_length_tokens=values.get("context_length_tokens"),
     )
+
+
+def weights_of(arch: ModelArch) -> dict[str, Any]:
+    """What a result records of the weights a server runs: their format (GGUF's file type, a checkpoint's
+    dtype or quantisation method), bits per weight over all tensors, parameters (None: not known)."""
+    return {"weights_format": arch.sources.get("weights_format"), "bits_per_weight": arch.weight_bits,
+            "params_b": arch.params_b}
 
 
 def arch_for(model: ModelConfig, field: Optional[str], served: Optional[str] = None) -> ModelArch:

@@ -1,6 +1,6 @@
 """Where kvexp's own data folders are: the repository's top level in a source checkout, or
-kvexp/_data/ in an installed wheel (pyproject ships conf/, templates/ and schema/ there); and the one way
-kvexp writes a file that a reader may open at any moment."""
+kvexp/_data/ in an installed wheel (pyproject ships conf/, templates/ and schema/ there); its cache;
+and the one way kvexp writes a file that a reader may open at any moment."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import tempfile
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
+
+
+def cache_dir() -> Path:
+    """kvexp's per-machine cache (built servers, models, calibration): $KVEXP_CACHE, else
+    $XDG_CACHE_HOME/kvexp, else ~/.cache/kvexp."""
+    base = os.environ.get("KVEXP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp")
+    return Path(base)
 
 
 def data_dir(name: str) -> Path:

@@ -39,6 +39,7 @@ import aiohttp
 
 from kvexp import evaltext
 from kvexp import qualitystats as qs
+from kvexp.backends.base import connector
 from kvexp.config import ExperimentConfig, KVConfig, QualityConfig
 from kvexp.paths import atomic_write
 
@@ -221,7 +222,7 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 def quality_cache_dir() -> Path:
     """Where baselines are kept: $KVEXP_QUALITY_CACHE, else kvexp's cache dir / quality."""
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return Path(os.environ.get("KVEXP_QUALITY_CACHE") or cache_dir() / "quality")
 
@@ -296,7 +297,7 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
         block["warnings"].append(reason)
         block["duration_s"] = round(time.monotonic() - t0, 3)
         return block
-    parts = _key_parts(cfg, res, backend, text_sha)
+    parts = _key_parts(cfg, res, backend, text_sha, base_dtype)
     key = cache_key(parts)
     cache = quality_cache_dir() / f"{name}-{key}"
     if q.cache:
@@ -334,9 +335,10 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
     return block
 
 
-def _key_parts(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, text_sha: str) -> dict[str, Any]:
-    """What the baseline's outputs depend on: backend, model file, server build, numerics settings,
-    the text and the measurement settings."""
+def _key_parts(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, text_sha: str,
+               base_dtype: str) -> dict[str, Any]:
+    """What the baseline's outputs depend on: backend, model file, server build, the numerics settings
+    that apply to the baseline's KV dtype, the text and the measurement settings."""
     q = cfg.quality
     parts: dict[str, Any] = {
         "backend": backend.name, "model_sha256": model_sha256(backend.model_path),
@@ -348,7 +350,7 @@ def _key_parts(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, text_sh
     if backend.teacher_forced == "perplexity_tool":
         ppl = _perplexity_binary(backend)
         parts["perplexity_sha256"] = file_sha256(ppl) if ppl else None
-    numerics = backend.numerics()
+    numerics = backend.numerics(base_dtype)
     if numerics:
         parts["numerics"] = numerics
     return parts
@@ -385,15 +387,17 @@ def _depth_entry(depth: int, **kw: Any) -> dict[str, Any]:
 PPL_ATTEMPTS = 8
 
 
-def _run_ppl(argv: list[str], log_path: Path, wanted: Optional[str] = None) -> str:
+def _run_ppl(argv: list[str], log_path: Path, wanted: Optional[str] = None,
+             env: Optional[dict[str, str]] = None) -> str:
     """Run llama-perplexity, append its output to log_path, return it; raises RuntimeError with
     the output's last line when it fails. llama.cpp's logger writes from a thread of its own and
     is not flushed at exit (its own comment in common/log.cpp), so the last lines of a run that
-    succeeded can be lost: a run whose output lacks `wanted` is repeated, up to PPL_ATTEMPTS times."""
+    succeeded can be lost: a run whose output lacks `wanted` is repeated, up to PPL_ATTEMPTS times.
+    env: the server's environment (its numerics settings, e.g. LLAMA_ATTN_ROT_DISABLE, apply here too)."""
     out = ""
     for attempt in range(1, PPL_ATTEMPTS + 1):
         r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, errors="replace", timeout=PPL_TIMEOUT_S)
+                           text=True, errors="replace", timeout=PPL_TIMEOUT_S, env=env)
         out = r.stdout
         with open(log_path, "a", encoding="utf-8") as f:
             f.write("$ " + " ".join(argv) + "\n" + out + f"\n[exit status {r.returncode}, attempt {attempt}]\n\n")
@@ -431,6 +435,7 @@ def _tf_llamacpp_depth(ctx: _Ctx, binary: str, model: str, depth: int) -> dict[s
     base_file = ctx.cache / f"tf-ctx{depth}.kld"
     base_json = ctx.cache / f"tf-ctx{depth}.json"
     log_path = ctx.out_dir / "quality.log"
+    env = ctx.backend.spec.process_env()
 
     def argv(dtype: str, file: Path, kld: bool) -> list[str]:
         n = ctx.backend.numerics()
@@ -438,10 +443,10 @@ def _tf_llamacpp_depth(ctx: _Ctx, binary: str, model: str, depth: int) -> dict[s
                                n["threads"], n["n_gpu_layers"], str(file), kld)
 
     def write_base(file: Path) -> dict[str, Any]:
-        return parse_ppl_output(_run_ppl(argv(ctx.base_dtype, file, False), log_path, "Final estimate"))
+        return parse_ppl_output(_run_ppl(argv(ctx.base_dtype, file, False), log_path, "Final estimate", env))
 
     def kld_run(dtype: str) -> dict[str, Any]:
-        return parse_kld_output(_run_ppl(argv(dtype, base_file, True), log_path, "Same top p:"))
+        return parse_kld_output(_run_ppl(argv(dtype, base_file, True), log_path, "Same top p:", env))
 
     tmp = base_file.with_suffix(f".tmp{os.getpid()}")
     again = base_file.with_suffix(f".again{os.getpid()}")
@@ -489,7 +494,7 @@ def _tf_llamacpp_depth(ctx: _Ctx, binary: str, model: str, depth: int) -> dict[s
 
 def _session(base_url: str) -> aiohttp.ClientSession:
     """A session for one server's quality requests (URLs are absolute; base_url names the server)."""
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800))
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=connector())
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:

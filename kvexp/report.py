@@ -313,11 +313,12 @@ def _setup_view(agg: dict) -> dict:
         run_rows.append([
             str(r.get("label")), tool_name(r) if any_tool else "—", F.backend_name(r.get("backend")),
             str(r.get("backend_version") or "—"),
-            str(r.get("model") or "—"), str(r.get("scenario") or "—"), kv.display, _output_length(r),
+            str(r.get("model") or "—"), F.weights_display(r), str(r.get("scenario") or "—"), kv.display,
+            _output_length(r),
             F.run_status(r), str(r.get("started_at") or "—"),
             "—" if reused is None else ("reused" if reused else "launched"),
         ])
-    run_table = drop_empty(Table(["Run", "Measured by", "Backend", "Version", "Model", "Scenario", "KV",
+    run_table = drop_empty(Table(["Run", "Measured by", "Backend", "Version", "Model", "Weights", "Scenario", "KV",
                                   "Output length", "Status", "Started", "Server"], run_rows, kind="wide"))
 
     kv_rows = []

@@ -269,6 +269,8 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "launch_command": result["backend"].get("launch_command"),
         "variable_length": result["scenario"]["variable_length"],
         "kv_requested": result["kv"]["requested"],
+        "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
+        "numerics": (result.get("server") or {}).get("numerics"),
         "reused_server": result["backend"]["reused_server"],
         "planner": result.get("planner"),
         "quality": result.get("quality"),

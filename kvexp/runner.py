@@ -16,11 +16,12 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import backends, search, stats, workload
+from kvexp import backends, embedded, modelinfo, prediction, search, stats, workload
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo
 from kvexp.backends.process import ServerProcess, free_port, port_in_use, tail
 from kvexp.config import ConfigError, ExperimentConfig, client_connections, job_label
 from kvexp.paths import SpaceReserve
+from kvexp.planner import ModelArch
 from kvexp.gpu import GIB, MemorySampler, gpu_info
 from kvexp.levels import Level, kv_peak, level_warnings, workload_warnings
 from kvexp.loadgen import LoadGenerator, Observer, arrival_offsets, make_session
@@ -201,6 +202,13 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     res = job.result
     log_path = out_dir / "server.log"
     server: Optional[_Server] = None
+    # the model's files are read here, once, before any server runs: nothing slow on the event loop
+    # between a server's start and its last level (a pooled connection would go stale meanwhile)
+    arch = _model_arch(backend)
+    if arch is not None:
+        res["model"].update(modelinfo.weights_of(arch))
+    served = getattr(cfg.model, backend.model_field, None)
+    res["model"]["origin"] = embedded.origin(served, backend.model_field == "gguf")
     reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:
@@ -216,7 +224,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
                                   server_log=str(server.process.log_path))
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
         job.save()
-        asyncio.run(_measure(job, backend, server, observer))
+        asyncio.run(_measure(job, backend, server, observer, arch))
         if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
@@ -285,7 +293,8 @@ def _check_alive(server: Optional[_Server]) -> None:
         raise BackendError(gone)
 
 
-async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observer: Optional[Observer]) -> None:
+async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observer: Optional[Observer],
+                   arch: Optional[ModelArch]) -> None:
     cfg, res = job.cfg, job.result
     s = cfg.scenario
     max_conn = client_connections(s)
@@ -298,12 +307,12 @@ async def _measure(job: Job, backend: Adapter, server: Optional[_Server], observ
         loaded = await backend.loaded_models(session)
         if loaded is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
             res["backend"]["loaded_models"] = loaded
-        log_text = server.process.log_path.read_text(errors="replace") if server else ""
+        log_text = await _server_log(backend, server)
         kv = await backend.kv_cache(session, log_text)
         _record_kv(res, kv)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(backend, res)
+        res["planner"] = _planner_block(backend, res, arch)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s)
         res["workload"] = maker.describe()
@@ -493,12 +502,31 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
         "dtype": kv.dtype, "blocks": kv.blocks, "block_size": kv.block_size,
         "gpu_memory_utilization": kv.gpu_memory_utilization, "dtype_k": kv.dtype_k, "dtype_v": kv.dtype_v,
         "capacity_tokens": kv.capacity_tokens, "bytes": kv.bytes, "max_concurrency": kv.max_concurrency,
-        "seqs": kv.seqs, "source": kv.source,
+        "seqs": kv.seqs, "rotation_k": kv.rotation_k, "rotation_v": kv.rotation_v, "source": kv.source,
     }
 
 
+LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
+
+
+async def _server_log(backend: Adapter, server: Optional[_Server]) -> str:
+    """The launched server's log once it states its KV cache (its logger may write after the server
+    answers its health probe), or as it is after LOG_WAIT_S; "" for an attached server."""
+    if server is None:
+        return ""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        text = server.process.log_path.read_text(errors="replace")
+        if backend.log_states_kv(text) or time.monotonic() > deadline or server.process.exited() is not None:
+            return text
+        await asyncio.sleep(0.05)
+
+
 def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Adapter) -> None:
-    """A server that reports a different KV type than the one asked for fails the job loudly."""
+    """A server that reports a different KV type (or KV numerics) than the ones asked for fails the job
+    loudly."""
+    if (contradiction := backend.check_kv(kv)) is not None:
+        raise BackendError(contradiction)
     asked = cfg.kv.per_backend.get(backend.name)
     if kv.dtype is None:
         log.warning("%s did not report its KV cache type; kv=%s (%s) is what was asked, not confirmed",
@@ -509,14 +537,23 @@ def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Adapter) -> None:
                            f"{asked!r} on {backend.name}")
 
 
-def _planner_block(backend: Adapter, res: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _model_arch(backend: Adapter) -> Optional[ModelArch]:
+    """The served model's architecture and weights, from its files (None: they cannot be read)."""
+    try:
+        return prediction.model_arch(backend.cfg, backend.spec)
+    except (ValueError, OSError) as e:
+        log.warning("model files of %s not read: %s", backend.cfg.model.name, e)
+        return None
+
+
+def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch]) -> Optional[dict[str, Any]]:
     """The planner's prediction for the server that was launched, beside what will be measured
     (None if it cannot plan)."""
-    from kvexp import calibration, prediction
+    from kvexp import calibration
 
     try:
         return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
-                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load())
+                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch)
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res["label"], e)
         return None

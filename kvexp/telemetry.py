@@ -48,9 +48,11 @@ async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional
                        interval_s: float) -> None:
     import aiohttp
 
+    from kvexp.backends.base import connector  # (in the sampling process only)
+
     adapter.base_url = base_url
     timeout = aiohttp.ClientTimeout(total=max(1.0, 20 * interval_s))
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector()) as session:
         window = Window(interval_s=interval_s)
         durations: list[float] = []
         due = time.perf_counter()

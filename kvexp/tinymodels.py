@@ -26,7 +26,7 @@ TINY_GGUF_VERSION = 1  # bump when the file's content changes, so caches are reb
 
 
 def tiny_gguf_path() -> Path:
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "models" / f"tiny-llama-v{TINY_GGUF_VERSION}.gguf"
 
@@ -169,7 +169,7 @@ fast.save_pretrained(out)
 
 
 def tiny_hf_path() -> Path:
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "models" / f"tiny-qwen2-v{TINY_HF_VERSION}"
 
@@ -187,7 +187,7 @@ TINY_HF_QUALITY = {**TINY_HF, "seed": 1, "heads": 2, "kv_heads": 2, "init": 0.1}
 
 
 def tiny_hf_quality_path() -> Path:
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "models" / f"tiny-qwen2-quality-v{TINY_HF_QUALITY_VERSION}"
 
@@ -240,7 +240,7 @@ TINY_QUALITY_GGUF_VERSION = 1  # bump when the file's content changes, so caches
 
 
 def tiny_quality_gguf_path() -> Path:
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     return cache_dir() / "models" / f"tiny-llama-quality-v{TINY_QUALITY_GGUF_VERSION}.gguf"
 

@@ -68,3 +68,22 @@ def _private_calibration(tmp_path_factory):
         os.environ.pop("KVEXP_CALIBRATION", None)
     else:
         os.environ["KVEXP_CALIBRATION"] = old
+
+
+SUBCOMMANDS = ("validate", "report", "results", "plan", "install", "resume", "cleanup", "--help", "-h", "--version")
+
+
+# The tests' defaults: the tiny model kvexp writes itself and the smoke scenario (the shipped defaults
+# are the real SmolLM2 and the cpu scenario); an override given after these wins.
+TINY = ["model=tiny", "scenario=smoke"]
+
+
+def with_tiny(args) -> list[str]:
+    """A kvexp command line on the tests' defaults, unless it is a subcommand."""
+    args = list(args)
+    if args and args[0] in SUBCOMMANDS:
+        return args
+    flags = 0  # Hydra's own flags (-m, --multirun) come before the overrides
+    while flags < len(args) and str(args[flags]).startswith("-"):
+        flags += 1
+    return [*args[:flags], *TINY, *args[flags:]]

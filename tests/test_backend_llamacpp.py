@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
 from kvexp.backends.openai import parse_sse_line
 from kvexp.backends.process import ServerProcess, free_port
@@ -79,7 +81,7 @@ def test_slots_usage():
 
 
 def test_launch_argv_maps_kv_and_slots():
-    cfg = compose(["kv=q8_0", "scenario.concurrency=[1,4]"])
+    cfg = compose([*TINY, "kv=q8_0", "scenario.concurrency=[1,4]"])
     argv = LlamaCpp(cfg, "/m.gguf", "/bin/llama-server").launch_argv(1234)
     assert argv[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
     for flag, value in (("-ctk", "q8_0"), ("-ctv", "q8_0"), ("-np", "4"), ("-c", str(4 * (32 + 16 + 16))),
@@ -90,7 +92,7 @@ def test_launch_argv_maps_kv_and_slots():
 
 @pytest.fixture
 def server(llama_server, tiny_gguf, tmp_path):
-    cfg = compose(["kv=q8_0", "scenario.concurrency=[2]"])
+    cfg = compose([*TINY, "kv=q8_0", "scenario.concurrency=[2]"])
     be = LlamaCpp(cfg, str(tiny_gguf), str(llama_server))
     port = free_port()
     proc = ServerProcess(be.launch_argv(port), be.launch_env(port), tmp_path / "server.log", "llama-server")

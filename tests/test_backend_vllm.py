@@ -13,6 +13,8 @@ import stat
 from pathlib import Path
 
 import pytest
+
+from conftest import TINY
 from aiohttp import web
 from aiohttp import test_utils
 
@@ -35,7 +37,7 @@ FIX = Path(__file__).parent / "fixtures" / "vllm"
 
 def make_cfg(kv: str = "fp16", *overrides: str) -> ExperimentConfig:
     """The real configs (conf/), backend=vllm, scenario smoke with three closed-loop levels."""
-    return compose(["backend=vllm", f"kv={kv}", "scenario.concurrency=[1,4,16]", "scenario.prompt_tokens=128",
+    return compose([*TINY, "backend=vllm", f"kv={kv}", "scenario.concurrency=[1,4,16]", "scenario.prompt_tokens=128",
                     "scenario.max_tokens=64", *overrides])
 
 
@@ -398,7 +400,7 @@ class _Servers:
         if self.current and self.current[0] == kv:
             return self.current[1]
         self.stop()
-        cfg = compose(["backend=vllm", f"kv={kv}", "scenario.concurrency=[1,16]", "scenario.prompt_tokens=200",
+        cfg = compose([*TINY, "backend=vllm", f"kv={kv}", "scenario.concurrency=[1,16]", "scenario.prompt_tokens=200",
                        "scenario.max_tokens=100", "backend.context=512", f"backend.kv_cache_memory_bytes={KV_BYTES}",
                        "backend.dtype=bfloat16", "backend.enforce_eager=true", f"backend.python={self.python}"])
         backend = VLLM(cfg, str(self.model), cfg.backend.python)

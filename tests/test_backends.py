@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp import backends, prediction
 from kvexp.backends.base import PORT, Adapter
 from kvexp.cli import _options, compose
 from kvexp.planner import ModelArch
 
-TINY = ModelArch(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.001, name="tiny")
+TINY_ARCH = ModelArch(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.001, name="tiny")
 VARIANTS = {
     "closed": [],
     "open": ["scenario.concurrency=[]", "scenario.rates=[2.0,8.0]"],
@@ -55,7 +57,7 @@ def _cpu_venv(root: Path) -> str:
 @pytest.mark.parametrize("scenario", _options("scenario"))
 @pytest.mark.parametrize("backend", list(backends.REGISTRY))
 def test_planner_plans_the_server_that_is_launched(backend, scenario, variant, tmp_path):
-    cfg = compose([f"backend={backend}", f"scenario={scenario}", "model.ollama=tiny:latest", *VARIANTS[variant]])
+    cfg = compose([*TINY, f"backend={backend}", f"scenario={scenario}", "model.ollama=tiny:latest", *VARIANTS[variant]])
     cls = backends.adapter_class(backend)
     programs = {"llamacpp": ["/opt/llama-server"], "vllm": ["/usr/bin/python3", _cpu_venv(tmp_path)],
                 "ollama": ["/opt/ollama"]}[backend]
@@ -64,7 +66,7 @@ def test_planner_plans_the_server_that_is_launched(backend, scenario, variant, t
         spec = adapter.spec
         assert PORT not in " ".join(adapter.launch_argv(18000)) + " ".join(adapter.launch_env(18000).values())
         server = launched(adapter, 18000)
-        plan = prediction.predict(cfg, spec, gpu_gib=16.0, arch=TINY)
+        plan = prediction.predict(cfg, spec, gpu_gib=16.0, arch=TINY_ARCH)
         used = plan["inputs"]
         assert used["parallel"] == server["slots"] == spec.slots, (backend, scenario, variant, program)
         assert used["context_tokens"] == server["context"] == spec.context_tokens
@@ -91,7 +93,7 @@ def test_the_registry_declares_the_whole_contract():
 
 
 def test_a_spec_is_frozen_and_records_itself():
-    cfg = compose(["backend=llamacpp", "scenario=chat", "kv=q8_0"])
+    cfg = compose([*TINY, "backend=llamacpp", "scenario=chat", "kv=q8_0"])
     spec = backends.adapter_class("llamacpp")(cfg, "/m.gguf", "/bin/llama-server").spec
     with pytest.raises(AttributeError):
         spec.slots = 3  # type: ignore[misc]
@@ -102,14 +104,14 @@ def test_a_spec_is_frozen_and_records_itself():
 
 
 def test_kv_unified_is_planned_as_one_stream():
-    cfg = compose(["backend=llamacpp", "scenario=chat", "backend.parallel=4", "backend.context=5120",
+    cfg = compose([*TINY, "backend=llamacpp", "scenario=chat", "backend.parallel=4", "backend.context=5120",
                    "backend.extra_args=[--kv-unified]"])
     spec = backends.adapter_class("llamacpp")(cfg, "/m.gguf", "/bin/llama-server").spec
     assert spec.unified_kv and spec.context_per_seq_tokens == 5120
-    plan = prediction.predict(cfg, spec, arch=TINY)
+    plan = prediction.predict(cfg, spec, arch=TINY_ARCH)
     assert plan["capacity_tokens"] == 5120 and plan["context_per_slot_tokens"] == 5120
     assert plan["max_concurrent_requests"] == 4  # 5120 // 784 = 6 whole requests fit; 4 slots run
-    split_cfg = compose(["backend=llamacpp", "scenario=chat", "backend.parallel=4", "backend.context=5120"])
+    split_cfg = compose([*TINY, "backend=llamacpp", "scenario=chat", "backend.parallel=4", "backend.context=5120"])
     split_spec = backends.adapter_class("llamacpp")(split_cfg, "/m.gguf", "/bin/llama-server").spec
-    split = prediction.predict(split_cfg, split_spec, arch=TINY)
+    split = prediction.predict(split_cfg, split_spec, arch=TINY_ARCH)
     assert split["capacity_tokens"] == 4 * 1280 and split["context_per_slot_tokens"] == 1280

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
+from conftest import with_tiny, TINY
+
 from kvexp.cli import compose, main, safe_name
 from kvexp.loadgen import RequestRecord
 from kvexp.runner import skipped_result
@@ -25,7 +27,7 @@ REQUEST = RequestRecord(index=0, level=1, sent_s=0.1, first_token_s=0.15, done_s
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Any]:
     """A valid job result (a skipped job, plus one level)."""
-    doc = skipped_result(compose([]), tmp_path_factory.mktemp("good"), "for the tests")
+    doc = skipped_result(compose(TINY), tmp_path_factory.mktemp("good"), "for the tests")
     doc["levels"] = [dict(LEVEL)]
     return doc
 
@@ -110,7 +112,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("run: a misspelt command", lambda d, g: ["valdate", str(d)],
      "kvexp: valdate: neither a command (validate, report, plan, install, resume, results, cleanup) nor an override key=value"),
     ("install: an unknown server", lambda d, g: ["install", "tgi"],
-     "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm')"),
+     "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm', 'smollm2')"),
 ]
 
 
@@ -153,7 +155,7 @@ def test_an_unreadable_file(good, tmp_path, capsys, monkeypatch):
     (["report", "missing-folder"], "kvexp: missing-folder: no such file or folder"),
 ])
 def test_no_traceback_from_the_command_line(tmp_path, args, expected):
-    p = subprocess.run([sys.executable, "-m", "kvexp", *args], capture_output=True, text=True, cwd=tmp_path)
+    p = subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(args)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1
     assert (p.stdout + p.stderr).strip() == expected
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.cli import _options, check, compose, compose_all, kv_choices
 from kvexp.backends import REGISTRY as BACKENDS
 from kvexp.backends.llamacpp import LlamaCppConfig
@@ -33,13 +35,13 @@ def test_every_option_composes(group):
 
 
 def test_backend_schemas_are_typed():
-    assert isinstance(compose(["backend=llamacpp"]).backend, LlamaCppConfig)
-    assert isinstance(compose(["backend=vllm"]).backend, VLLMConfig)
-    assert isinstance(compose(["backend=ollama", "kv=q8_0"]).backend, OllamaConfig)
+    assert isinstance(compose([*TINY, "backend=llamacpp"]).backend, LlamaCppConfig)
+    assert isinstance(compose([*TINY, "backend=vllm"]).backend, VLLMConfig)
+    assert isinstance(compose([*TINY, "backend=ollama", "kv=q8_0"]).backend, OllamaConfig)
 
 
 def test_default_is_the_embedded_cpu_job():
-    cfg = compose([])
+    cfg = compose(TINY)
     assert (cfg.backend.name, cfg.model.name, cfg.kv.name, cfg.scenario.name) == ("llamacpp", "tiny", "fp16", "smoke")
     assert cfg.model.gguf == "@tiny"
 
@@ -51,7 +53,7 @@ def test_sweep_expands_to_every_combination():
 
 
 def test_reference_scenarios():
-    chat, long = compose(["scenario=chat"]).scenario, compose(["scenario=long"]).scenario
+    chat, long = compose([*TINY, "scenario=chat"]).scenario, compose([*TINY, "scenario=long"]).scenario
     assert (chat.prompt_tokens, chat.max_tokens, chat.concurrency, chat.requests) == (512, 256, [1, 4, 16], 48)
     assert (long.prompt_tokens, long.max_tokens, long.concurrency, long.requests) == (4096, 256, [8, 16, 32, 48], 144)
 
@@ -66,10 +68,10 @@ def test_kv_names_map_per_backend():
 
 
 def test_unsupported_pair_can_be_skipped_instead():
-    cfg = compose(["kv=fp8", "unsupported=skip"])
+    cfg = compose([*TINY, "kv=fp8", "unsupported=skip"])
     assert check(cfg, kv_choices()).startswith("kv=fp8 is not available on backend=llamacpp")
     with pytest.raises(ConfigError):
-        check(compose(["kv=fp8"]), kv_choices())
+        check(compose([*TINY, "kv=fp8"]), kv_choices())
 
 
 BAD = [
@@ -94,7 +96,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,expected", BAD)
 def test_bad_config_is_one_line(overrides, expected):
     with pytest.raises(ConfigError) as e:
-        for _, cfg in compose_all(overrides):
+        for _, cfg in compose_all([*TINY, *overrides]):
             check(cfg, kv_choices())
     msg = str(e.value)
     assert "\n" not in msg
@@ -102,7 +104,7 @@ def test_bad_config_is_one_line(overrides, expected):
 
 
 def test_bad_config_from_the_command_line_exits_1_with_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvexp", "kv=fp7"], capture_output=True, text=True, cwd=tmp_path)
+    p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, "kv=fp7"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1
     assert p.stderr.strip() == "kvexp: kv=fp7: no such option; allowed values are bf16, fp16, fp8, q4_0, q8_0"
     assert not (tmp_path / "outputs").exists()

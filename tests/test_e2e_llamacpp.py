@@ -11,11 +11,11 @@ import pytest
 
 from kvexp.validate import check_file
 
-from conftest import pgrep
+from conftest import pgrep, with_tiny
 
 
 def run_kvexp(args, cwd: Path, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvexp", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(args)], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout)
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import with_tiny, TINY
+
 from kvexp import launched, preflight
 from kvexp.cli import check, compose, compose_all, kv_choices, main
 from kvexp.config import ConfigError
@@ -37,7 +39,7 @@ def fake(tmp_path_factory) -> Path:
 
 def kvexp_main(*args: str) -> int:
     try:
-        return main(list(args))
+        return main(with_tiny(args))
     finally:
         preflight.unlock_all()
 
@@ -91,7 +93,7 @@ BAD_CONFIG = [
 @pytest.mark.parametrize("overrides,expected", BAD_CONFIG, ids=[c[0] for c in BAD_CONFIG])
 def test_bad_value_refused_at_compose_time(overrides, expected):
     with pytest.raises(ConfigError) as e:
-        for _, cfg in compose_all(overrides.split()):
+        for _, cfg in compose_all([*TINY, *overrides.split()]):
             check(cfg, kv_choices())
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(expected), msg
@@ -109,7 +111,7 @@ def test_rates_alone_and_good_values_still_compose():
               ["backend.endpoint=https://example.org:8443/v1"], ["backend.flash_attn=auto", "backend.context=4096"]):
         for _, cfg in compose_all(o):
             assert check(cfg, kv_choices()) is None
-    cfg = compose(["backend.flash_attn=off"])
+    cfg = compose([*TINY, "backend.flash_attn=off"])
     assert cfg.backend.flash_attn == "off" and f"{cfg.backend.flash_attn}" == "off"
 
 
@@ -188,7 +190,7 @@ def test_validate_reports_a_cut_last_line(good_run, tmp_path, capsys):
 # ---------------------------------------------------------------- 4. one writer per folder
 def test_a_second_run_into_a_held_folder_is_refused_with_the_holders_pid(fake, tmp_path):
     folder = tmp_path / "sweep"
-    first = subprocess.Popen([sys.executable, "-m", "kvexp", "-m", f"backend.binary={fake}",
+    first = subprocess.Popen([sys.executable, "-m", "kvexp", "-m", *TINY, f"backend.binary={fake}",
                               "backend.extra_args=[--token-gap,0.03]", "scenario.requests=20",
                               f"hydra.sweep.dir={folder}"], cwd=Path(__file__).parent.parent,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -196,7 +198,7 @@ def test_a_second_run_into_a_held_folder_is_refused_with_the_holders_pid(fake, t
         deadline = time.monotonic() + 60
         while not (folder / "multirun.yaml").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        second = subprocess.run([sys.executable, "-m", "kvexp", "-m", f"backend.binary={fake}",
+        second = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, f"backend.binary={fake}",
                                  f"hydra.sweep.dir={folder}", "resume=true"], cwd=Path(__file__).parent.parent,
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first run ended before the second started: make it longer"
@@ -255,7 +257,8 @@ def test_resume_with_changed_overrides_changes_nothing(fake, sweep, capsys):
                       f"hydra.sweep.dir={sweep}", "resume=true") == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "the spec changed since it was measured" in line and "nothing in the folder was changed" in line
-    assert line.endswith(f"start a new sweep: python -m kvexp -m backend.binary={fake} kv=fp16,q4_0 scenario.requests=4")
+    assert line.endswith(f"start a new sweep: python -m kvexp -m {' '.join(TINY)} backend.binary={fake} kv=fp16,q4_0 "
+                         "scenario.requests=4")
     assert snapshot(sweep) == before
 
 
@@ -335,7 +338,7 @@ def test_disk_full_mid_job_on_a_tiny_tmpfs(fake, tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root); the injected test covers the same path")
     try:
         out = mnt / "run"
-        r = subprocess.run([sys.executable, "-m", "kvexp", f"backend.binary={fake}", "scenario.requests=100",
+        r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"backend.binary={fake}", "scenario.requests=100",
                             "scenario.concurrency=[1,2,4]", f"hydra.run.dir={out}"], cwd=Path(__file__).parent.parent,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -380,16 +383,16 @@ def test_chart_svg_has_nothing_for_weasyprint_to_ignore(reference_path, tmp_path
 
 
 def test_install_step_prints_one_line_and_names_its_log_on_failure(tmp_path, capsys):
-    from kvexp.install import _run
+    from kvexp.install import run_step
 
     log = tmp_path / "build.log"
-    _run([sys.executable, "-c", "for i in range(1, 201): print(f'[{i}/200] Building CXX object f{i}.o')"],
+    run_step([sys.executable, "-c", "for i in range(1, 201): print(f'[{i}/200] Building CXX object f{i}.o')"],
          step="compiling", log=log)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "kvexp install: compiling ..." and out[-1] == "kvexp install: compiling: 100 %"
     assert len(out) <= 12 and "Building CXX" in log.read_text()
     with pytest.raises(SystemExit) as e:
-        _run([sys.executable, "-c", "print('error: no compiler'); raise SystemExit(3)"], step="configuring", log=log)
+        run_step([sys.executable, "-c", "print('error: no compiler'); raise SystemExit(3)"], step="configuring", log=log)
     assert str(e.value) == f"kvexp install: configuring failed (exit status 3); its full output is in {log}"
     assert "error: no compiler" in log.read_text() and "error: no compiler" not in capsys.readouterr().out
 

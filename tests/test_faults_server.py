@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import with_tiny
+
 from kvexp.results import load_document
 from kvexp.validate import check_file
 
@@ -26,7 +28,7 @@ class Run:
     """`python -m kvexp` as a child process, its output collected as it comes, and its server found."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvexp", *args], cwd=ROOT, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvexp", *with_tiny(args)], cwd=ROOT, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         threading.Thread(target=self._read, daemon=True).start()

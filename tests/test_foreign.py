@@ -206,7 +206,7 @@ def test_help_lists_commands_and_real_options_not_schemas(capsys):
     out = capsys.readouterr().out
     for cmd in ("validate", "report", "results", "plan", "install", "resume"):
         assert f"\n  {cmd} " in out
-    assert "backend={llamacpp,ollama,vllm}" in out and "scenario={chat,lengths,long,multiturn,prefix,quality,sharegpt,smoke,trace}" in out
+    assert "backend={llamacpp,ollama,vllm}" in out and "scenario={chat,cpu,lengths,long,multiturn,prefix,quality,sharegpt,smoke,trace}" in out
     assert "scenario.concurrency" in out and "_schema" not in out
     assert main(["plan", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m kvexp plan")

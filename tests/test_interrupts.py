@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import TINY, with_tiny
+
 from kvexp.backends.process import tail
 from kvexp.results import load_document
 from kvexp.validate import check_file
@@ -30,7 +32,7 @@ class Kvexp:
 
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str], server: str = "llama-server"):
         self.server = server  # what a server's command line holds
-        self.proc = subprocess.Popen(args if args[0] == sys.executable else [sys.executable, "-m", "kvexp", *args],
+        self.proc = subprocess.Popen(args if args[0] == sys.executable else [sys.executable, "-m", "kvexp", *with_tiny(args)],
                                      cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self.seen: dict[int, psutil.Process] = {}
@@ -184,7 +186,7 @@ def test_exception_in_kvexp(llama_server, tmp_path, env):
             "r._planner_block = boom\n"
             "from kvexp.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
-    k = Kvexp([sys.executable, "-c", code, f"backend.binary={llama_server}"], tmp_path, env)
+    k = Kvexp([sys.executable, "-c", code, *TINY, f"backend.binary={llama_server}"], tmp_path, env)
     assert k.finish() == 1
     assert len(k.seen) == 1 and not k.survivors()
     (run,) = (tmp_path / "outputs" / "runs").iterdir()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY
+
 from kvexp import findings as F
 from kvexp import noise
 
@@ -91,7 +93,7 @@ def twice(llama_server, tmp_path_factory):
     try:
         for label in ("same-a", "same-b"):
             out = tmp_path_factory.mktemp(label)
-            cfg = compose(["scenario=smoke", f"backend.binary={llama_server}", "scenario.repeats=3",
+            cfg = compose([*TINY, "scenario=smoke", f"backend.binary={llama_server}", "scenario.repeats=3",
                            "scenario.concurrency=[2]", f"label={label}"])
             res = run_job(cfg, out, pool=pool)
             assert res["status"] == "complete", res.get("status_reason")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.cli import compose
 from kvexp.loadgen import arrival_offsets
 from kvexp.runner import ServerPool, run_job
@@ -15,7 +17,7 @@ from kvexp.validate import check_file
 
 
 def run(tmp: Path, binary: Path, *overrides: str) -> tuple[dict, list[dict], Path]:
-    cfg = compose(["scenario=smoke", f"backend.binary={binary}", *overrides])
+    cfg = compose([*TINY, "scenario=smoke", f"backend.binary={binary}", *overrides])
     pool = ServerPool()
     try:
         res = run_job(cfg, tmp, pool=pool)

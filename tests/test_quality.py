@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import with_tiny, TINY
+
 from kvexp.cli import compose
 from kvexp.config import ConfigError, check_config
 from kvexp.validate import check_file
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_kvexp(args: list[str], cwd: Path, cache: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVEXP_QUALITY_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "kvexp", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(args)], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
 
 
@@ -45,7 +47,7 @@ def test_quality_scenario_composes_without_speed_levels():
     assert cfg.scenario.kind == "quality" and cfg.scenario.concurrency == []
     check_config(cfg)
     assert cfg.quality.depths == [512, 2048, 4096] and cfg.quality.baseline == "fp16"
-    assert compose(["quality.enabled=true", "quality.prompts=3"]).quality.prompts == 3
+    assert compose([*TINY, "quality.enabled=true", "quality.prompts=3"]).quality.prompts == 3
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -57,7 +59,7 @@ def test_quality_scenario_composes_without_speed_levels():
 ])
 def test_bad_quality_settings_are_one_line(override, expected):
     with pytest.raises(ConfigError) as e:
-        check_config(compose([override]))
+        check_config(compose([*TINY, override]))
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
 
 
@@ -212,7 +214,7 @@ def test_ollama_quality_degrades_to_continuations_with_reasons(tmp_path):
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "FAKE_OLLAMA_MODELS": "tiny", "FAKE_OLLAMA_TTFT_S": "0.01",
            "FAKE_OLLAMA_TOKEN_GAP_S": "0.001"}
-    p = subprocess.run([sys.executable, "-m", "kvexp", "-m", "backend=ollama", "model.ollama=tiny", "kv=fp16,q8_0",
+    p = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, "backend=ollama", "model.ollama=tiny", "kv=fp16,q8_0",
                         "scenario=quality", "quality.prompts=3", "quality.max_tokens=8", f"backend.binary={exe}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300,
                        env={**env, "KVEXP_QUALITY_CACHE": str(tmp_path / "qcache"), "PYTHONPATH": str(ROOT)})

@@ -10,7 +10,7 @@ import pytest
 from kvexp import evaltext, quality
 from kvexp import qualitystats as qs
 
-from conftest import FIXTURES
+from conftest import FIXTURES, TINY
 
 
 def _dist(*ps: float) -> dict[int, float]:
@@ -141,4 +141,4 @@ def _adapter(name: str):
     from kvexp import backends
     from kvexp.cli import compose
 
-    return backends.adapter_class(name)(compose([f"backend={name}", "model.ollama=tiny:latest"]), "/m", "/bin/x")
+    return backends.adapter_class(name)(compose([*TINY, f"backend={name}", "model.ollama=tiny:latest"]), "/m", "/bin/x")

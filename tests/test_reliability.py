@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import TINY
+
 from kvexp.backends.base import BackendError
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.cli import compose
@@ -47,7 +49,7 @@ def pool():
 
 def run(tmp_path: Path, binary: Path, pool: ServerPool, *overrides: str, name: str = "job"):
     """One job on the fake: (its result.json, read back and validated; the exception that ended it)."""
-    cfg = compose(["scenario=smoke", f"backend.binary={binary}", "scenario.stall_timeout_s=0.3", *overrides])
+    cfg = compose([*TINY, "scenario=smoke", f"backend.binary={binary}", "scenario.stall_timeout_s=0.3", *overrides])
     out = tmp_path / name
     try:
         run_job(cfg, out, pool=pool)

@@ -8,6 +8,8 @@ import statistics
 
 import pytest
 
+from conftest import TINY
+
 from kvexp import stats
 from kvexp.cli import compose
 from kvexp.results import collect
@@ -20,7 +22,7 @@ from kvexp.validate import check_file
 @pytest.fixture(scope="module")
 def repeated(llama_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("repeats")
-    cfg = compose(["scenario=smoke", f"backend.binary={llama_server}", "scenario.repeats=3",
+    cfg = compose([*TINY, "scenario=smoke", f"backend.binary={llama_server}", "scenario.repeats=3",
                    "scenario.concurrency=[1,2]", "scenario.slo_ttft_ms=10000", "scenario.slo_tpot_ms=10000"])
     pool = ServerPool()
     try:

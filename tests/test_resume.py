@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.cli import compose, main, resume_args
 from kvexp.results import ResultError, load_document
 from kvexp.runner import ServerPool, run_job
@@ -38,7 +40,7 @@ def pool():
 
 
 def job(out: Path, fake: Path, pool: ServerPool, *overrides: str) -> dict:
-    run_job(compose([f"backend.binary={fake}", *LEVELS, *overrides]), out, pool=pool)
+    run_job(compose([*TINY, f"backend.binary={fake}", *LEVELS, *overrides]), out, pool=pool)
     return load_document(out / "result.json")[1]
 
 
@@ -98,11 +100,11 @@ def test_a_complete_job_is_left_alone(tmp_path, fake, pool):
 def test_resume_command_on_a_run_folder(tmp_path, fake, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["kvexp"])
     run = tmp_path / "my run"
-    assert main([f"backend.binary={fake}", "scenario.requests=4", f"hydra.run.dir='{run}'"]) == 0
+    assert main([*TINY, f"backend.binary={fake}", "scenario.requests=4", f"hydra.run.dir='{run}'"]) == 0
     r = load_document(run / "result.json")[1]
     r["levels"], r["status"] = r["levels"][:1], "partial"  # stopped during level 2
     (run / "result.json").write_text(json.dumps(r))
-    assert resume_args(run) == [f"backend.binary={fake}", "scenario.requests=4", f"hydra.run.dir='{run}'",
+    assert resume_args(run) == [*TINY, f"backend.binary={fake}", "scenario.requests=4", f"hydra.run.dir='{run}'",
                                 "resume=true"]
     assert main(["resume", str(run)]) == 0
     again = load_document(run / "result.json")[1]

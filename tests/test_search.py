@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY
+
 from kvexp import search
 from kvexp.search import Objectives, Probe, next_step
 
@@ -131,12 +133,12 @@ def grid_and_search(llama_server, tmp_path_factory):
     pool, out = ServerPool(), {}
     try:
         folder = tmp_path_factory.mktemp("grid")
-        out["grid"] = (run_job(compose([*REAL, f"backend.binary={llama_server}", "label=grid"]), folder, pool=pool),
+        out["grid"] = (run_job(compose([*TINY, *REAL, f"backend.binary={llama_server}", "label=grid"]), folder, pool=pool),
                        folder)
         slo, ratio = _cut(out["grid"][0]["levels"])
         assert ratio >= MIN_GAP, f"no clean latency knee in the grid: {[lv['ttft_p95_ms'] for lv in out['grid'][0]['levels']]}"
         folder = tmp_path_factory.mktemp("search")
-        cfg = compose([*REAL, f"backend.binary={llama_server}", "label=search", f"scenario.slo_ttft_ms={slo}",
+        cfg = compose([*TINY, *REAL, f"backend.binary={llama_server}", "label=search", f"scenario.slo_ttft_ms={slo}",
                        "scenario.search=concurrency", "scenario.search_min_growth=null"])
         out["search"] = (run_job(cfg, folder, pool=pool), folder)
     finally:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import with_tiny, TINY
+
 from kvexp.validate import check_file
 
 SWEEP = ["-m", "kv=fp16,q8_0", "scenario=smoke"]
@@ -33,7 +35,7 @@ def servers_left(folder: Path) -> list[str]:
 
 
 def kvexp(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvexp", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(args)], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def sweep_dir(cwd: Path) -> Path:
@@ -116,6 +118,6 @@ def test_job_statuses_count_a_job_that_left_no_result(tmp_path):
     from kvexp.summary import job_statuses
 
     (tmp_path / "0_llamacpp-tiny-q8_0-smoke" / ".hydra").mkdir(parents=True)  # its process died early
-    skipped_result(compose([]), tmp_path / "1_llamacpp-tiny-fp16-smoke", "for the test")
+    skipped_result(compose(TINY), tmp_path / "1_llamacpp-tiny-fp16-smoke", "for the test")
     (tmp_path / ".submitit").mkdir()
     assert job_statuses(tmp_path) == {"llamacpp-tiny-q8_0-smoke": "missing", "llamacpp-tiny-fp16-smoke": "skipped"}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.cli import compose
 from kvexp.config import ConfigError, check_config
 from kvexp.runner import ServerPool, run_job
@@ -194,7 +196,7 @@ GOOD = '{"conversations": [{"from": "human", "value": "hello there"}, {"from": "
 ])
 def test_every_bad_dataset_line_is_refused_with_its_number(tmp_path, bad, field):
     path = _bad(tmp_path, "d.jsonl", [GOOD, "", GOOD, bad])
-    cfg = compose(["scenario=sharegpt", f"scenario.dataset={path}"])
+    cfg = compose([*TINY, "scenario=sharegpt", f"scenario.dataset={path}"])
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert f"{path} line 4:" in str(e.value) and field in str(e.value) and "\n" not in str(e.value)
@@ -211,7 +213,7 @@ def test_every_bad_trace_line_is_refused_with_its_number(tmp_path, bad, field):
     good = ['{"timestamp": 0, "input_length": 64, "output_length": 8}',
             '{"timestamp": 500, "input_length": 64, "output_length": 8}']
     path = _bad(tmp_path, "t.jsonl", [*good, bad])
-    cfg = compose(["scenario=trace", f"scenario.trace={path}"])
+    cfg = compose([*TINY, "scenario=trace", f"scenario.trace={path}"])
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert f"{path} line 3:" in str(e.value) and field in str(e.value)
@@ -219,7 +221,7 @@ def test_every_bad_trace_line_is_refused_with_its_number(tmp_path, bad, field):
 
 def test_a_bad_file_stops_the_cli_before_anything_runs(tmp_path):
     path = _bad(tmp_path, "d.jsonl", [GOOD, '{"conversations": [{"from": "gpt", "value": "no question"}]}'])
-    out = subprocess.run([sys.executable, "-m", "kvexp", "scenario=sharegpt", f"scenario.dataset={path}",
+    out = subprocess.run([sys.executable, "-m", "kvexp", *TINY, "scenario=sharegpt", f"scenario.dataset={path}",
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 1, out.stderr  # kvexp's status for a config that cannot run
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("kvexp:")]
@@ -257,7 +259,7 @@ def test_bad_workload_settings_are_refused_in_one_line(overrides, says):
 def test_a_json_array_file_is_named_as_such(tmp_path):
     path = _bad(tmp_path, "sharegpt.json", ['[{"conversations": [{"from": "human", "value": "hi"}]}]'])
     with pytest.raises(ConfigError) as e:
-        check_config(compose(["scenario=sharegpt", f"scenario.dataset={path}"]))
+        check_config(compose([*TINY, "scenario=sharegpt", f"scenario.dataset={path}"]))
     assert "line 1: a JSON array: kvexp reads JSONL" in str(e.value) and "jq -c" in str(e.value)
 
 
@@ -273,7 +275,7 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
                               {"from": "gpt", "value": "y" * 400}], "output_tokens": 7}
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(line) + "\n")
-    cfg = compose(["backend=ollama", "backend.endpoint=http://127.0.0.1:9", "model.ollama=tiny", "scenario=sharegpt",
+    cfg = compose([*TINY, "backend=ollama", "backend.endpoint=http://127.0.0.1:9", "model.ollama=tiny", "scenario=sharegpt",
                    f"scenario.dataset={path}", "scenario.conversation.turns=3", "scenario.requests=1"])
     check_config(cfg)
     backend = backends.create(cfg)

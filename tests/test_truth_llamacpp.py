@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY
+
 from kvexp.backends.llamacpp import exact_kv_bytes, slots_usage
 from kvexp.cli import compose
 from kvexp.runner import ServerPool, run_job
@@ -18,7 +20,7 @@ FX = Path(__file__).parent / "fixtures" / "llamacpp"
 
 
 def run(tmp: Path, binary: Path, *overrides: str) -> dict:
-    cfg = compose([f"backend.binary={binary}", *overrides])
+    cfg = compose([*TINY, f"backend.binary={binary}", *overrides])
     pool = ServerPool()
     try:
         res = run_job(cfg, tmp, pool=pool)

@@ -7,6 +7,7 @@ telemetry. Timing is not the adapter's business: the load generator owns the clo
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -48,6 +49,8 @@ class KVCacheInfo:
     gpu_memory_utilization: Optional[float] = None
     max_concurrency: Optional[float] = None  # as the server states it (vLLM's startup line)
     seqs: Optional[int] = None  # parallel sequences / slots
+    rotation_k: Optional[bool] = None  # the server rotates K / V before quantising them (llama.cpp)
+    rotation_v: Optional[bool] = None
     source: list[str] = field(default_factory=list)  # where each figure came from
 
 
@@ -65,6 +68,18 @@ class TelemetrySample:
 class Request:
     path: str  # e.g. /v1/completions
     body: dict[str, Any]
+
+
+# A pooled connection idle this long is closed by the client: shorter than every server's own idle
+# timeout (llama-server's HTTP library and vLLM's uvicorn both drop a keep-alive connection after 5 s),
+# so no request ever goes out on a connection the server has already closed.
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def connector(limit: Optional[int] = None) -> aiohttp.TCPConnector:
+    """The connection pool of every client session kvexp opens to a server (limit None: no limit)."""
+    return aiohttp.TCPConnector(limit=0 if limit is None else max(1, limit), limit_per_host=0,
+                                keepalive_timeout=CLIENT_KEEPALIVE_S, enable_cleanup_closed=True)
 
 
 PORT = "{port}"  # stands for the port in a ServerSpec's argv and environment until launch
@@ -110,6 +125,7 @@ class ServerSpec:
     cache: CacheModel
     capabilities: Capabilities
     sources: tuple[tuple[str, str], ...] = ()  # where slots, context, block size, budget came from
+    numerics: tuple[tuple[str, Any], ...] = ()  # launch settings besides the KV dtype that change the numbers
 
     def launch_argv(self, port: int) -> list[str]:
         if self.argv is None:
@@ -119,6 +135,11 @@ class ServerSpec:
     def launch_env(self, port: int) -> dict[str, str]:
         """The environment to add; a variable that names the port is left out for port 0."""
         return {k: v.replace(PORT, str(port)) for k, v in self.env if port or PORT not in v}
+
+    def process_env(self) -> dict[str, str]:
+        """The whole environment of a program run with this server's settings (e.g. llama-perplexity
+        beside llama-server): kvexp's own, less env_unset, plus env (port-free variables only)."""
+        return {**{k: v for k, v in os.environ.items() if k not in self.env_unset}, **self.launch_env(0)}
 
     @property
     def key(self) -> tuple:
@@ -137,6 +158,7 @@ class ServerSpec:
                       "cell_pad": self.cache.cell_pad},
             "capabilities": asdict(self.capabilities),
             "sources": dict(self.sources),
+            "numerics": dict(self.numerics),
         }
 
 
@@ -215,6 +237,8 @@ class Adapter:
                    env_unset: tuple[str, ...] = (), block_size: Optional[int] = None,
                    kv_budget_bytes: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
                    unified_kv: bool = False) -> ServerSpec:
+        if argv is not None:
+            self._refuse_numerics_env(env)
         return ServerSpec(
             backend=self.name, program=self.program, model_path=self.model_path,
             argv=None if argv is None else tuple(argv), env=tuple(sorted(env.items())), env_unset=env_unset,
@@ -222,7 +246,16 @@ class Adapter:
             kv_bytes_per_element=kv_bytes_per_element(self.kv_type), slots=slots, context_tokens=context,
             context_per_seq_tokens=per_seq, block_size=block_size, kv_budget_bytes=kv_budget_bytes,
             gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
-            capabilities=self.capabilities, sources=tuple(sorted(sources.items())))
+            capabilities=self.capabilities, sources=tuple(sorted(sources.items())),
+            numerics=tuple(sorted(self.numerics().items())))
+
+    def _refuse_numerics_env(self, env: dict[str, str]) -> None:
+        """An inherited variable that changes the server's numbers without the spec knowing (and so
+        without entering the config hash or any report) is refused, naming the setting to use."""
+        for var, instead in self.numerics_env.items():
+            if var in os.environ and var not in env:
+                raise ConfigError(f"{var}={os.environ[var]} is set in kvexp's environment: it changes "
+                                  f"{self.display_name}'s numbers without being recorded; unset it and use {instead}")
 
     @property
     def stream_keepalive(self) -> bool:
@@ -297,9 +330,22 @@ class Adapter:
         """(units, top-k log-probabilities per unit; None where not exposed) of a continuation answer."""
         raise NotImplementedError(f"{self.name}: no continuation API")
 
-    def numerics(self) -> dict[str, Any]:
-        """The launch settings besides the KV dtype that change the server's numbers (a cache key)."""
+    # inherited environment variables that change the server's numbers -> the setting to use instead
+    numerics_env: ClassVar[dict[str, str]] = {}
+
+    def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
+        """The launch settings besides the KV dtype that change the server's numbers with KV type
+        kv_type (default: the job's), recorded in the spec and used as a cache key."""
         return {}
+
+    def log_states_kv(self, log_text: str) -> bool:
+        """Whether the server's log already holds its KV cache lines (the runner waits a moment for
+        them: a server's logger may write them after it answers its health probe)."""
+        return True
+
+    def check_kv(self, info: KVCacheInfo) -> Optional[str]:
+        """Why the KV cache the server reports contradicts the spec beyond its dtype (None: it does not)."""
+        return None
 
     # ---- the server's own view of a level, beside the client's
     server_timing_source: ClassVar[str] = "per-request timings"

@@ -15,16 +15,19 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import workload
+from kvexp import embedded, gguffile, workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.backends.metrics import parse_metrics
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, server_slots
+from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
 from kvexp.planner import CacheModel
 
 KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\),"
     r"\s*K \((\w+)\):\s*([\d.]+) MiB,\s*V \((\w+)\):\s*([\d.]+) MiB")
+ROTATION_LINE = re.compile(r"attn_rot_([kv]) = (\d+)")  # llama_kv_cache: attn_rot_k = 1, n_embd_head_k_all = 64
+ROTATION_OFF_ENV = "LLAMA_ATTN_ROT_DISABLE"
+LOADED_LINE = ": model loaded"  # `srv  llama_server: model loaded` (older builds: `main: model loaded`)
 MIB = 1 << 20
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the default -c
 CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
@@ -35,7 +38,7 @@ CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 def slot_dir() -> Path:
     """Where llama-server may save slots (--slot-save-path, which also enables erasing them; kvexp
     never saves one): kvexp's cache folder."""
-    from kvexp.install import cache_dir
+    from kvexp.paths import cache_dir
 
     path = cache_dir() / "slots"
     path.mkdir(parents=True, exist_ok=True)
@@ -49,6 +52,7 @@ class LlamaCppConfig(BackendConfig):
     threads: Optional[int] = None
     n_gpu_layers: Optional[int] = None
     flash_attn: FlashAttn = FlashAttn.on
+    kv_rotation: KVRotation = KVRotation.auto  # off: no Hadamard rotation of quantised K/V
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
@@ -61,11 +65,16 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
     if not matches:
         return None
     size, cells, _layers, seq_max, streams, k, _ks, v, _vs = matches[-1]
-    return KVCacheInfo(
+    info = KVCacheInfo(
         dtype=k if k == v else f"{k}/{v}", dtype_k=k, dtype_v=v,
         capacity_tokens=int(cells) * int(streams), bytes=round(float(size) * MIB), seqs=int(seq_max),
         source=["server log: llama_kv_cache size line (cells x streams)"],
     )
+    rotation = dict(ROTATION_LINE.findall(log_text))  # the last of each (builds from 2026 on state it)
+    if rotation:
+        info.rotation_k, info.rotation_v = (rotation[x] != "0" if x in rotation else None for x in "kv")
+        info.source.append("server log: llama_kv_cache attn_rot_k / attn_rot_v lines (rotation)")
+    return info
 
 
 def slots_usage(slots: list[dict[str, Any]], unified: bool = False) -> Optional[float]:
@@ -97,6 +106,11 @@ def exact_kv_bytes(cells: int, layers: int, n_embd_kv: int, k_type: str, v_type:
     return round(cells * layers * per_cell)
 
 
+def rotates(kv_type: str) -> bool:
+    """Whether a KV type is one llama.cpp may rotate (a quantised one, not f16/bf16/f32)."""
+    return kv_type not in ("f16", "bf16", "f32")
+
+
 class LlamaCpp(Adapter):
     name = "llamacpp"
     display_name = "llama.cpp"
@@ -123,28 +137,32 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def check_model(cls, cfg: ExperimentConfig) -> None:
+        """A GGUF that is there and is a GGUF (its header read, in milliseconds), before any launch."""
+        if cfg.backend.endpoint:
+            return
         gguf = cfg.model.gguf
-        if gguf not in ("@tiny", "@tiny-quality") and not cfg.backend.endpoint and (not gguf or not Path(gguf).expanduser().is_file()):
-            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+        if gguf in embedded.WHEEL_MODELS:
+            embedded.gguf_file(gguf)  # installed, else the one-line error saying how
+        elif not embedded.is_embedded(gguf):
+            if not gguf or not Path(gguf).expanduser().is_file():
+                raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+            try:
+                gguffile.read_header(Path(gguf).expanduser())
+            except gguffile.GGUFError as e:
+                raise ConfigError(f"model.gguf: {e}") from None
 
     @classmethod
     def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
         cls.check_model(cfg)
-        if cfg.model.gguf == "@tiny":
-            from kvexp.tinymodels import ensure_tiny_gguf
-
-            return str(ensure_tiny_gguf())
-        if cfg.model.gguf == "@tiny-quality":
-            from kvexp.tinymodels import ensure_tiny_quality_gguf
-
-            return str(ensure_tiny_quality_gguf())
-        return cfg.model.gguf
+        gguf = cfg.model.gguf
+        return str(embedded.gguf_file(gguf)) if embedded.is_embedded(gguf) else gguf
 
     @classmethod
     def install(cls, force: bool = False) -> None:
         from kvexp.install import build_llama_server
 
         build_llama_server(force=force)
+        embedded.install_wheel_model()
 
     @property
     def parallel(self) -> int:
@@ -178,7 +196,13 @@ class LlamaCpp(Adapter):
             if b.n_gpu_layers is not None:
                 argv += ["-ngl", str(b.n_gpu_layers)]
             argv += list(b.extra_args)
-        return self._make_spec(argv, dict(b.env), slots=slots, context=context,
+        env = dict(b.env)
+        if ROTATION_OFF_ENV in env:
+            raise ConfigError(f"backend.env.{ROTATION_OFF_ENV}: use backend.kv_rotation=off (recorded with the "
+                              "KV dtype in every result and report)")
+        if b.kv_rotation == KVRotation.off:
+            env[ROTATION_OFF_ENV] = "1"
+        return self._make_spec(argv, env, slots=slots, context=context,
                                per_seq=context if unified else context // slots, sources=sources,
                                unified_kv=unified)
 
@@ -246,8 +270,26 @@ class LlamaCpp(Adapter):
         tops = [{int(t["id"]): float(t["logprob"]) for t in p.get("top_logprobs") or []} or None for p in probs]
         return tokens, tops + [None] * (len(tokens) - len(tops))
 
-    def numerics(self) -> dict[str, Any]:
-        return {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}
+    numerics_env = {ROTATION_OFF_ENV: "backend.kv_rotation=off"}
+
+    def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
+        out = {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}
+        if rotates(kv_type or self.kv_type):  # a 16-bit cache is never rotated: its numbers do not depend on it
+            out["kv_rotation"] = str(self.b.kv_rotation)
+        return out
+
+    def log_states_kv(self, log_text: str) -> bool:
+        # the server states its model loaded after every line about the cache (one logger, in order)
+        return LOADED_LINE in log_text
+
+    def check_kv(self, info: KVCacheInfo) -> Optional[str]:
+        """The rotation the server applied against backend.kv_rotation (None: they agree, or the build
+        does not say)."""
+        applied = [r for r in (info.rotation_k, info.rotation_v) if r is not None]
+        if self.b.kv_rotation == KVRotation.off and any(applied):
+            return (f"the server rotates its {self.kv_type} KV cache (attn_rot = 1 in its log) although "
+                    f"backend.kv_rotation=off set {ROTATION_OFF_ENV}=1")
+        return None
 
     @property
     def threads(self) -> int:

