@@ -94,6 +94,10 @@ class BackendConfig:
     # process of its own (kvexp/telemetry.py).
     telemetry_interval_s: float = 0.02
 
+    def kv_tag(self) -> str:
+        """What a job's label adds to its KV dtype for a setting that changes the KV's numbers ("": none)."""
+        return ""
+
 
 @dataclass
 class ModelConfig:
@@ -533,7 +537,8 @@ def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None 
 
 
 def job_label(cfg: ExperimentConfig) -> str:
-    return cfg.label or f"{cfg.backend.name}-{cfg.model.name}-{cfg.kv.name}-{cfg.scenario.name}"
+    kv = cfg.kv.name + cfg.backend.kv_tag()
+    return cfg.label or f"{cfg.backend.name}-{cfg.model.name}-{kv}-{cfg.scenario.name}"
 
 
 def to_plain(obj: Any) -> Any:

@@ -84,7 +84,7 @@ def _num(s: str) -> Optional[float]:
         v = float(s)
     except ValueError:
         return None
-    return v if v == v and abs(v) != float("inf") else None
+    return v + 0.0 if v == v and abs(v) != float("inf") else None  # + 0.0: "-0.000000" reads 0.0, not -0.0
 
 
 def parse_kld_output(text: str) -> dict[str, Any]:

@@ -251,7 +251,7 @@ def test_quality_rotation_is_recorded_and_moves_q4_0(quality):
     off = jobs["q4_0-off"]
     assert off["kv_cache"]["rotation_k"] is False and off["server"]["numerics"]["kv_rotation"] == "off"
     assert off["backend"]["env"]["LLAMA_ATTN_ROT_DISABLE"] == "1"
-    assert off["config_hash"] != jobs["q4_0"]["config_hash"]
+    assert off["config_hash"] != jobs["q4_0"]["config_hash"] and off["label"] == "llamacpp-smollm2-q4_0-norot-quality"
     q8, q4, q4off = (depth512(jobs[k])["kld_mean"] for k in ("q8_0", "q4_0", "q4_0-off"))
     assert 0 < q8 < q4 < q4off  # the rotation lowers q4_0's drift
 

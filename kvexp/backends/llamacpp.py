@@ -54,6 +54,9 @@ class LlamaCppConfig(BackendConfig):
     flash_attn: FlashAttn = FlashAttn.on
     kv_rotation: KVRotation = KVRotation.auto  # off: no Hadamard rotation of quantised K/V
 
+    def kv_tag(self) -> str:
+        return "-norot" if self.kv_rotation == KVRotation.off else ""
+
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
     """The last llama_kv_cache size line of a llama-server log (the context's own cache).
