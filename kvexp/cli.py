@@ -78,7 +78,10 @@ def one_line_error(e: BaseException) -> str:
         return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
     m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
     if m:
-        schema = getattr(schemas, m.group(2), None)
+        from kvexp.backends import REGISTRY  # backend schemas live with their adapters
+
+        classes = {a.config_class.__name__: a.config_class for a in REGISTRY.values()}
+        schema = getattr(schemas, m.group(2), None) or classes.get(m.group(2))
         keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
         return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
     return f"{full}: {first}" if full else first

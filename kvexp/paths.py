@@ -4,6 +4,7 @@ and the one way kvexp writes a file that a reader may open at any moment."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,15 @@ def cache_dir() -> Path:
     base = os.environ.get("KVEXP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp")
     return Path(base)
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def data_dir(name: str) -> Path:

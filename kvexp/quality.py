@@ -41,7 +41,7 @@ from kvexp import evaltext
 from kvexp import qualitystats as qs
 from kvexp.backends.base import connector
 from kvexp.config import ExperimentConfig, KVConfig, QualityConfig
-from kvexp.paths import atomic_write
+from kvexp.paths import atomic_write, sha256_of
 
 log = logging.getLogger("kvexp")
 
@@ -187,11 +187,7 @@ def file_sha256(path: Path) -> str:
     memo = (_read_json(memo_path) or {}) if st.st_size >= HASH_MEMO_BYTES else {}
     digest = memo.get(memo_key)
     if digest is None:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        digest = h.hexdigest()
+        digest = sha256_of(path)
         if st.st_size >= HASH_MEMO_BYTES:
             try:
                 _write_json(memo_path, {**memo, memo_key: digest})

@@ -24,7 +24,7 @@ from kvexp import embedded, gguffile, stats
 from kvexp.backends import create
 from kvexp.backends.base import CLIENT_KEEPALIVE_S
 from kvexp.cli import compose
-from kvexp.config import ConfigError
+from kvexp.config import ConfigError, check_config
 from kvexp.install import find_llama_perplexity, vllm_python
 from kvexp.loadgen import make_session
 from kvexp.runner import ServerPool, run_job
@@ -111,7 +111,10 @@ def test_kv_rotation_is_in_the_spec_and_the_hash(llama_server, smollm2, monkeypa
     # the variable inherited from the shell, outside the spec: refused in one line
     monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
     with pytest.raises(ConfigError, match=r"^LLAMA_ATTN_ROT_DISABLE=1 is set .* use backend.kv_rotation=off$"):
+        check_config(compose([*SMOL, "kv=q4_0", f"backend.binary={llama_server}"]))  # before anything starts
+    with pytest.raises(ConfigError, match=r"^LLAMA_ATTN_ROT_DISABLE=1 is set .* use backend.kv_rotation=off$"):
         create(compose([*SMOL, "kv=q4_0", f"backend.binary={llama_server}"]))
+    check_config(compose([*SMOL, "kv=q4_0", "backend.endpoint=http://127.0.0.1:9"]))  # not a server kvexp launches
     with pytest.raises(ConfigError, match="use backend.kv_rotation=off"):
         create(compose([*SMOL, "kv=q4_0", f"backend.binary={llama_server}", "+backend.env.LLAMA_ATTN_ROT_DISABLE=1"]))
 

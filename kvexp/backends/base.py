@@ -238,7 +238,7 @@ class Adapter:
                    kv_budget_bytes: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
                    unified_kv: bool = False) -> ServerSpec:
         if argv is not None:
-            self._refuse_numerics_env(env)
+            self.check_environment(self.b)
         return ServerSpec(
             backend=self.name, program=self.program, model_path=self.model_path,
             argv=None if argv is None else tuple(argv), env=tuple(sorted(env.items())), env_unset=env_unset,
@@ -249,13 +249,15 @@ class Adapter:
             capabilities=self.capabilities, sources=tuple(sorted(sources.items())),
             numerics=tuple(sorted(self.numerics().items())))
 
-    def _refuse_numerics_env(self, env: dict[str, str]) -> None:
-        """An inherited variable that changes the server's numbers without the spec knowing (and so
-        without entering the config hash or any report) is refused, naming the setting to use."""
-        for var, instead in self.numerics_env.items():
-            if var in os.environ and var not in env:
+    @classmethod
+    def check_environment(cls, b: BackendConfig) -> None:
+        """An inherited variable that changes a launched server's numbers without the spec knowing (and
+        so without entering the config hash or any report) is refused, naming the setting to use (run
+        by check_config, before anything starts, and again when a spec is resolved)."""
+        for var, instead in cls.numerics_env.items():
+            if not b.endpoint and var in os.environ and var not in b.env:
                 raise ConfigError(f"{var}={os.environ[var]} is set in kvexp's environment: it changes "
-                                  f"{self.display_name}'s numbers without being recorded; unset it and use {instead}")
+                                  f"{cls.display_name}'s numbers without being recorded; unset it and use {instead}")
 
     @property
     def stream_keepalive(self) -> bool:
