@@ -12,7 +12,7 @@ the event-loop lag, the load of every core and how late the server itself was.
     python bench/fidelity.py fidelity --concurrency 1 64 256 1024 --workers 1 2
     python bench/fidelity.py --json out.json ...  # also write every figure as JSON
 
-Clients: `kvexp` (kvexp.loadgen, the code the runner uses; --workers N --loops asyncio uvloop),
+Clients: `kvexp` (kvexp.measure.loadgen, the code the runner uses; --workers N --loops asyncio uvloop),
 `bare` (a plain aiohttp loop: readline, json.loads, perf_counter; the baseline every client should
 beat) and `vllm` (vLLM's own benchmark request function, loaded from kvexp's vLLM venv if present).
 Run it on an otherwise quiet machine: the figures are only as good as the cores are free.
@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from kvexp import machine  # noqa: E402
+from kvexp.core import machine  # noqa: E402
 
 VLLM_VENV = Path.home() / ".cache/kvexp/vllm-venv"
 VLLM_CLIENT = next(VLLM_VENV.glob("lib/python3*/site-packages/vllm/benchmarks/lib/endpoint_request_func.py"),
@@ -335,7 +335,7 @@ async def run_kvexp(url: str, c: int, n: int, max_tokens: int, workers: int, eve
     """kvexp's load generator as the runner drives it: LoadGenerator.run_level, in this process or
     over worker processes (started by the warm-up level, then kept, as in a job)."""
     from kvexp.backends.base import Request
-    from kvexp.loadgen import ClientOptions, LoadGenerator, RequestRecord, make_session
+    from kvexp.measure.loadgen import ClientOptions, LoadGenerator, RequestRecord, make_session
 
     def reqs(ids: list[int]) -> list[Any]:
         return [(Request("/v1/completions", _body(max_tokens, rid)), RequestRecord(index=rid, level=c)) for rid in ids]

@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvexp import machine, pdf  # noqa: E402
-from kvexp import report as R  # noqa: E402
+from kvexp.core import machine  # noqa: E402
+from kvexp.report import pdf
+from kvexp.report import render as R  # noqa: E402
 
 REFERENCES = (ROOT / "tests" / "fixtures" / "rtx5070ti-qwen2.5-7b.json",
               ROOT.parent / "shared" / "reference" / "rtx5070ti-qwen2.5-7b.json")

@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvexp import search  # noqa: E402
-from kvexp.cli import compose  # noqa: E402
-from kvexp.install import find_llama_server  # noqa: E402
-from kvexp.runner import ServerPool, run_job  # noqa: E402
+from kvexp.metrics import search  # noqa: E402
+from kvexp.app.cli import compose  # noqa: E402
+from kvexp.assets.install import find_llama_server  # noqa: E402
+from kvexp.measure.runner import ServerPool, run_job  # noqa: E402
 
 GRID = "[" + ",".join(str(c) for c in range(1, 17)) + "]"
 

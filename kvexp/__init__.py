@@ -1,10 +1,17 @@
-"""kvexp: which LLM server, KV-cache dtype and concurrency for your GPU, measured."""
+"""kvexp: which LLM server, KV-cache dtype and concurrency for your GPU, measured.
 
-__version__ = "0.1.0"
+The public API: `results_frame` (levels of any mix of result files as a pandas DataFrame) and
+`__version__`. The command line is `python -m kvexp`; everything else is internal (docs/ARCHITECTURE.md)."""
+
+from kvexp.core import __version__
+
+__all__ = ["__version__", "results_frame"]
 
 
-def results_frame(paths):  # type: ignore[no-untyped-def]
-    """A pandas DataFrame of levels from any mix of result files (kvexp.frame.results_frame)."""
-    from kvexp.frame import results_frame as frame
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    if name == "results_frame":
+        # lazy: importing kvexp (every server sampler and worker process does) must not load the report stack
+        from kvexp.report.frame import results_frame
 
-    return frame(paths)
+        return results_frame
+    raise AttributeError(f"module 'kvexp' has no attribute {name!r}")

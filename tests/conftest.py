@@ -23,7 +23,7 @@ def reference_path() -> Path:
 
 @pytest.fixture(scope="session")
 def llama_server() -> Path:
-    from kvexp.install import find_llama_server
+    from kvexp.assets.install import find_llama_server
 
     found = find_llama_server()
     if found is None:
@@ -35,7 +35,7 @@ def llama_server() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gguf() -> Path:
-    from kvexp.tinymodels import ensure_tiny_gguf
+    from kvexp.assets.tinymodels import ensure_tiny_gguf
 
     return ensure_tiny_gguf()
 

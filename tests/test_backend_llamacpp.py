@@ -13,9 +13,9 @@ from conftest import TINY
 from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
 from kvexp.backends.openai import parse_sse_line
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.cli import compose
-from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
-from kvexp.prompts import exact_text, token_pool, token_prompts
+from kvexp.app.cli import compose
+from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.workload.prompts import exact_text, token_pool, token_prompts
 
 FX = Path(__file__).parent / "fixtures" / "llamacpp"
 

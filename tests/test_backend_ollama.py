@@ -16,14 +16,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvexp import stats
+from kvexp.metrics import stats
 from kvexp.backends.base import BackendError
 from kvexp.backends.ollama import Ollama, parse_ndjson_line, parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.backends.ollama import OllamaConfig
-from kvexp.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
-from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
-from kvexp.prompts import estimated_text
+from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
+from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.workload.prompts import estimated_text
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_ollama  # noqa: E402

@@ -18,19 +18,20 @@ from conftest import TINY
 from aiohttp import web
 from aiohttp import test_utils
 
-from kvexp import prompts, stats
+from kvexp.workload import prompts
+from kvexp.metrics import stats
 from kvexp.backends import process
 from kvexp.backends.base import BackendError, KVCacheInfo
-from kvexp.backends.metrics import labels_of
+from kvexp.backends.prometheus import labels_of
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.backends.vllm import (
     CPU_KV_CACHE_BYTES, VLLM, cache_info, cpu_fp8_kv_supported, kv_info, parse_kv_log, telemetry,
 )
-from kvexp.cli import compose
-from kvexp.config import ExperimentConfig
-from kvexp.loadgen import LoadGenerator, RequestRecord, make_session
-from kvexp.levels import kv_peak
-from kvexp.telemetry import TelemetrySampler
+from kvexp.app.cli import compose
+from kvexp.core.config import ExperimentConfig
+from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.metrics.levels import kv_peak
+from kvexp.measure.telemetry import TelemetrySampler
 
 FIX = Path(__file__).parent / "fixtures" / "vllm"
 
@@ -345,7 +346,7 @@ def test_adapter_against_replayed_server(cfg16) -> None:
 # ---- install and tiny-model helpers (no network, no vLLM) -------------------------------------
 
 def test_vllm_python_needs_an_installed_vllm(tmp_path: Path) -> None:
-    from kvexp.install import vllm_python
+    from kvexp.assets.install import vllm_python
 
     assert vllm_python(tmp_path) is None
     (tmp_path / "bin").mkdir()
@@ -358,7 +359,7 @@ def test_vllm_python_needs_an_installed_vllm(tmp_path: Path) -> None:
 
 
 def test_ensure_tiny_hf_makes_once_and_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvexp import tinymodels
+    from kvexp.assets import tinymodels
 
     monkeypatch.setenv("KVEXP_CACHE", str(tmp_path / "cache"))
     calls = tmp_path / "calls"
@@ -474,8 +475,8 @@ def _no_leftover_servers():
 
 @pytest.fixture(scope="module")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory):
-    from kvexp.install import install_vllm, vllm_python
-    from kvexp.tinymodels import ensure_tiny_hf
+    from kvexp.assets.install import install_vllm, vllm_python
+    from kvexp.assets.tinymodels import ensure_tiny_hf
 
     if os.environ.get("KVEXP_INSTALL_VLLM") == "1":
         python = install_vllm()

@@ -10,10 +10,11 @@ import pytest
 
 from conftest import TINY
 
-from kvexp import backends, prediction
+from kvexp import backends
+from kvexp.planning import prediction
 from kvexp.backends.base import PORT, Adapter
-from kvexp.cli import _options, compose
-from kvexp.planner import ModelArch
+from kvexp.app.cli import _options, compose
+from kvexp.capacity.planner import ModelArch
 
 TINY_ARCH = ModelArch(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.001, name="tiny")
 VARIANTS = {

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp.cli import compose, main, safe_name
-from kvexp.loadgen import RequestRecord
-from kvexp.runner import skipped_result
+from kvexp.app.cli import compose, main, safe_name
+from kvexp.measure.loadgen import RequestRecord
+from kvexp.measure.runner import skipped_result
 
 LEVEL = {"concurrency": 1, "requests": 8, "errors": 0, "throughput_tok_s": 10.0, "ttft_p50_ms": 1.0,
          "ttft_p95_ms": 2.0, "tpot_p50_ms": 1.0, "peak_vram_gib": None, "peak_kv_cache_usage": None,

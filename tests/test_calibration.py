@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import calibration as calib
+from kvexp.planning import calibration as calib
 from kvexp import backends
-from kvexp.planner import GIB_BYTES, ModelArch, plan_job
+from kvexp.capacity.planner import GIB_BYTES, ModelArch, plan_job
 
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model

@@ -9,13 +9,13 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.cli import _options, check, compose, compose_all, kv_choices
+from kvexp.app.cli import _options, check, compose, compose_all, kv_choices
 from kvexp.backends import REGISTRY as BACKENDS
 from kvexp.backends.llamacpp import LlamaCppConfig
 from kvexp.backends.ollama import OllamaConfig
 from kvexp.backends.vllm import VLLMConfig
-from kvexp.config import ConfigError
-from kvexp.planner import kv_bytes_per_element
+from kvexp.core.config import ConfigError
+from kvexp.capacity.planner import kv_bytes_per_element
 
 GROUP_DEFAULTS = {"backend": "llamacpp", "kv": "fp16"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvexp.validate import check_file
+from kvexp.results.validate import check_file
 
 from conftest import pgrep, with_tiny
 

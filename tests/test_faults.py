@@ -22,11 +22,12 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp import launched, preflight
-from kvexp.cli import check, compose, compose_all, kv_choices, main
-from kvexp.config import ConfigError
-from kvexp.results import load_document
-from kvexp.validate import check_file
+from kvexp.backends import launched
+from kvexp.app import preflight
+from kvexp.app.cli import check, compose, compose_all, kv_choices, main
+from kvexp.core.config import ConfigError
+from kvexp.results.store import load_document
+from kvexp.results.validate import check_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
@@ -168,7 +169,7 @@ def test_validate_does_not_read_a_device_or_a_huge_file_for_ever(tmp_path, monke
     t = time.monotonic()
     assert kvexp_main("validate", "/dev/zero") == 1
     assert capsys.readouterr().out == "/dev/zero: not a regular file (a device, FIFO or socket); not a kvexp file\n"
-    from kvexp import validate
+    from kvexp.results import validate
 
     monkeypatch.setattr(validate, "MAX_FILE_BYTES", 1000)
     big = tmp_path / "big.json"
@@ -310,7 +311,7 @@ def _check_disk_full_folder(out: Path) -> None:
 
 def test_disk_full_mid_job_injected(fake, tmp_path, monkeypatch, capsys):
     """ENOSPC injected into the writes of requests.jsonl after the first level's lines."""
-    from kvexp import results
+    from kvexp.results import store as results
 
     real_write, written = os.write, []
 
@@ -364,9 +365,9 @@ def test_markdown_outputs_escape_user_strings(fake, tmp_path):
 
 # ---------------------------------------------------------------- 10. noise
 def test_chart_svg_has_nothing_for_weasyprint_to_ignore(reference_path, tmp_path, caplog, capfd):
-    from kvexp.charts import presentation_attributes
-    from kvexp.report import render_report
-    from kvexp.results import collect
+    from kvexp.report.charts import presentation_attributes
+    from kvexp.report.render import render_report
+    from kvexp.results.store import collect
 
     assert presentation_attributes('<path d="M0" style="fill: none; stroke: #1f77b4"/>') == \
         '<path d="M0" fill="none" stroke="#1f77b4"/>'
@@ -383,7 +384,7 @@ def test_chart_svg_has_nothing_for_weasyprint_to_ignore(reference_path, tmp_path
 
 
 def test_install_step_prints_one_line_and_names_its_log_on_failure(tmp_path, capsys):
-    from kvexp.install import run_step
+    from kvexp.assets.install import run_step
 
     log = tmp_path / "build.log"
     run_step([sys.executable, "-c", "for i in range(1, 201): print(f'[{i}/200] Building CXX object f{i}.o')"],

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import with_tiny
 
-from kvexp.results import load_document
-from kvexp.validate import check_file
+from kvexp.results.store import load_document
+from kvexp.results.validate import check_file
 
 ROOT = Path(__file__).resolve().parent.parent
 

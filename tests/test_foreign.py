@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import foreign
-from kvexp.cli import main
-from kvexp.findings import format_value
-from kvexp.report import render_report
-from kvexp.results import ResultError, collect, load_any
+from kvexp.results import foreign
+from kvexp.app.cli import main
+from kvexp.analysis.findings import format_value
+from kvexp.report.render import render_report
+from kvexp.results.store import ResultError, collect, load_any
 
 FIX = Path(__file__).parent / "fixtures" / "foreign"
 VLLM_FILES = sorted((FIX / "vllm").glob("*.json"))
@@ -211,6 +211,6 @@ def test_help_lists_commands_and_real_options_not_schemas(capsys):
     assert main(["plan", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m kvexp plan")
     assert main(["--version"]) == 0
-    from kvexp import __version__
+    from kvexp.core import __version__
 
     assert capsys.readouterr().out.strip() == f"kvexp {__version__}"

@@ -20,8 +20,8 @@ import pytest
 from conftest import TINY, with_tiny
 
 from kvexp.backends.process import tail
-from kvexp.results import load_document
-from kvexp.validate import check_file
+from kvexp.results.store import load_document
+from kvexp.results.validate import check_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
@@ -181,10 +181,10 @@ def test_sigterm_mid_level(tmp_path, env):
 
 
 def test_exception_in_kvexp(llama_server, tmp_path, env):
-    code = ("import sys, kvexp.runner as r\n"
+    code = ("import sys, kvexp.measure.runner as r\n"
             "def boom(*a, **k): raise ZeroDivisionError('boom')\n"
             "r._planner_block = boom\n"
-            "from kvexp.cli import main\n"
+            "from kvexp.app.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
     k = Kvexp([sys.executable, "-c", code, *TINY, f"backend.binary={llama_server}"], tmp_path, env)
     assert k.finish() == 1

@@ -15,10 +15,12 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from kvexp import loadgen, machine, stats
+from kvexp.measure import loadgen
+from kvexp.core import machine
+from kvexp.metrics import stats
 from kvexp.backends import openai
 from kvexp.backends.base import Request
-from kvexp.loadgen import (ClientOptions, LoadGenerator, LoopLagMonitor, RequestRecord, arrival_offsets,
+from kvexp.measure.loadgen import (ClientOptions, LoadGenerator, LoopLagMonitor, RequestRecord, arrival_offsets,
                            make_session, resolve_workers, split_closed)
 
 FX = Path(__file__).parent / "fixtures"
@@ -354,7 +356,7 @@ def test_client_limits():
 def test_live_progress_counts_and_draws_on_its_own_timer():
     from rich.console import Console
 
-    from kvexp.progress import LiveProgress, make_observer
+    from kvexp.app.progress import LiveProgress, make_observer
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=200)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvexp import modelinfo
-from kvexp.config import ModelConfig
+from kvexp.capacity import modelinfo
+from kvexp.core.config import ModelConfig
 from kvexp import backends
-from kvexp.planner import GIB_BYTES, plan_job
+from kvexp.capacity.planner import GIB_BYTES, plan_job
 
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import TINY
 
-from kvexp import findings as F
-from kvexp import noise
+from kvexp.analysis import findings as F
+from kvexp.analysis import noise
 
 
 def _lv(c, tput, repeat=None, **kw):
@@ -85,9 +85,10 @@ def test_findings_say_which():
 
 @pytest.fixture(scope="module")
 def twice(llama_server, tmp_path_factory):
-    from kvexp.cli import compose
-    from kvexp.results import collect
-    from kvexp.runner import ServerPool, run_job
+    from kvexp.app.cli import compose
+    from kvexp.results.store import collect
+    from kvexp.backends.pool import ServerPool
+    from kvexp.measure.runner import run_job
 
     pool, folders = ServerPool(), []
     try:

@@ -9,11 +9,12 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.cli import compose
-from kvexp.loadgen import arrival_offsets
-from kvexp.runner import ServerPool, run_job
-from kvexp.summary import write_job_summary
-from kvexp.validate import check_file
+from kvexp.app.cli import compose
+from kvexp.measure.loadgen import arrival_offsets
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.report.summary import write_job_summary
+from kvexp.results.validate import check_file
 
 
 def run(tmp: Path, binary: Path, *overrides: str) -> tuple[dict, list[dict], Path]:
@@ -94,7 +95,7 @@ def test_waiting_for_a_start_yields_at_most_its_share_of_each_second():
     starts a second that would keep a core busy, so it yields at most SPIN_SHARE of each second."""
     import asyncio
 
-    from kvexp import loadgen
+    from kvexp.measure import loadgen
 
     class Streamer:
         stream_keepalive = True

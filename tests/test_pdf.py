@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import pdf
-from kvexp import report as R
+from kvexp.report import pdf
+from kvexp.report import render as R
 
 PDFTOTEXT = shutil.which("pdftotext")
 pytestmark = [pytest.mark.skipif(pdf.support() is not None, reason="WeasyPrint cannot load here"),
@@ -88,7 +88,7 @@ def test_parallel_layout_is_the_same_document(html, whole, workers, method, monk
 def test_without_pypdf_it_is_laid_out_in_one_process(html, whole, monkeypatch, caplog):
     text, out = html
     monkeypatch.setitem(sys.modules, "pypdf", None)  # `import pypdf` now raises ImportError
-    with caplog.at_level(logging.WARNING, logger="kvexp.pdf"):
+    with caplog.at_level(logging.WARNING, logger="kvexp.report.pdf"):
         path = pdf.write(text, out / "fallback.pdf", out, workers=2)
     assert "laying it out in one process" in caplog.text
     assert pages_text(path) == pages_text(whole)

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import planner
-from kvexp import backends, prediction, summary
+from kvexp.capacity import planner
+from kvexp import backends
+from kvexp.planning import prediction
+from kvexp.report import summary
 from kvexp.backends.llamacpp import LlamaCppConfig
 from kvexp.backends.ollama import OllamaConfig, default_context_tokens
 from kvexp.backends.vllm import VLLMConfig
-from kvexp.config import ExperimentConfig, GPUConfig, KVConfig, ModelConfig, ScenarioConfig
-from kvexp.planner import ModelArch, plan_job
+from kvexp.core.config import ExperimentConfig, GPUConfig, KVConfig, ModelConfig, ScenarioConfig
+from kvexp.capacity.planner import ModelArch, plan_job
 
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
@@ -355,7 +357,7 @@ def test_every_gpu_preset_states_nvmls_mib_and_converts_it_like_nvml(preset):
 
 
 def test_shared_prefix_blocks_are_held_once_per_group():
-    from kvexp.planner import kv_usage, max_concurrency
+    from kvexp.capacity.planner import kv_usage, max_concurrency
 
     # 10 blocks of 128 tokens; requests of 512 + 32 tokens (5 blocks), 384 of them a shared prefix (3 full
     # blocks): 2 groups hold 6 blocks, each request 2 of its own

@@ -14,9 +14,10 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp.cli import compose
-from kvexp.config import ConfigError, check_config
-from kvexp.validate import check_file
+from kvexp.app.cli import compose
+from kvexp.app.checks import check_config
+from kvexp.core.config import ConfigError
+from kvexp.results.validate import check_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +68,7 @@ def test_bad_quality_settings_are_one_line(override, expected):
 
 @pytest.fixture(scope="session")
 def llama_perplexity(llama_server) -> Path:
-    from kvexp.install import find_llama_perplexity
+    from kvexp.assets.install import find_llama_perplexity
 
     found = find_llama_perplexity(llama_server)
     if found is None:
@@ -179,7 +180,7 @@ def test_quality_after_speed_levels_measures_a_missing_baseline_itself(llama_ser
 @pytest.mark.vllm
 def test_vllm_fp8_drifts_and_auto_reproduces_itself(tmp_path):
     from kvexp.backends.vllm import cpu_fp8_kv_supported
-    from kvexp.install import vllm_python
+    from kvexp.assets.install import vllm_python
 
     if vllm_python() is None:
         if os.environ.get("CI"):

@@ -1,4 +1,4 @@
-"""The pure maths of quality measurements (kvexp/qualitystats.py), the evaluation text, and the
+"""The pure maths of quality measurements (kvexp/quality/stats.py), the evaluation text, and the
 parsers of llama-perplexity's output and of the serving APIs' answers."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from kvexp import evaltext, quality
-from kvexp import qualitystats as qs
+from kvexp.assets import evaltext
+from kvexp.quality import measure as quality
+from kvexp.quality import stats as qs
 
 from conftest import FIXTURES, TINY
 
@@ -139,6 +140,6 @@ def test_prompt_offsets_are_seeded_and_fit():
 
 def _adapter(name: str):
     from kvexp import backends
-    from kvexp.cli import compose
+    from kvexp.app.cli import compose
 
     return backends.adapter_class(name)(compose([*TINY, f"backend={name}", "model.ollama=tiny:latest"]), "/m", "/bin/x")

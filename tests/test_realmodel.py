@@ -20,15 +20,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvexp import embedded, gguffile, stats
+from kvexp.assets import embedded
+from kvexp.capacity import gguffile
+from kvexp.metrics import stats
 from kvexp.backends import create
 from kvexp.backends.base import CLIENT_KEEPALIVE_S
-from kvexp.cli import compose
-from kvexp.config import ConfigError, check_config
-from kvexp.install import find_llama_perplexity, vllm_python
-from kvexp.loadgen import make_session
-from kvexp.runner import ServerPool, run_job
-from kvexp.validate import check_file
+from kvexp.app.cli import compose
+from kvexp.app.checks import check_config
+from kvexp.core.config import ConfigError
+from kvexp.assets.install import find_llama_perplexity, vllm_python
+from kvexp.measure.loadgen import make_session
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.results.validate import check_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOL = ["model=smollm2"]

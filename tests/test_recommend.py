@@ -4,7 +4,7 @@ misses."""
 
 from __future__ import annotations
 
-from kvexp import recommend
+from kvexp.analysis import recommend
 
 SLO = {"slo_ttft_ms": 100.0, "slo_tpot_ms": None, "percentile": "p95"}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import recompute
-from kvexp import report as R
+from kvexp.planning import recompute
+from kvexp.report import render as R
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,11 @@ from conftest import TINY
 
 from kvexp.backends.base import BackendError
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.cli import compose
-from kvexp.results import load_document
-from kvexp.runner import ServerPool, run_job
-from kvexp.summary import render_job_summary
+from kvexp.app.cli import compose
+from kvexp.results.store import load_document
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.report.summary import render_job_summary
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402

@@ -10,13 +10,14 @@ import pytest
 
 from conftest import TINY
 
-from kvexp import stats
-from kvexp.cli import compose
-from kvexp.results import collect
-from kvexp.levels import Level, level_warnings
-from kvexp.runner import ServerPool, run_job
-from kvexp.summary import render_job_summary, repeat_cell
-from kvexp.validate import check_file
+from kvexp.metrics import stats
+from kvexp.app.cli import compose
+from kvexp.results.store import collect
+from kvexp.metrics.levels import Level, level_warnings
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.report.summary import render_job_summary, repeat_cell
+from kvexp.results.validate import check_file
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import findings as F
-from kvexp import pdf
-from kvexp import report as R
+from kvexp.analysis import findings as F
+from kvexp.report import pdf
+from kvexp.report import render as R
 
 PDFTOPPM = shutil.which("pdftoppm") or ("/usr/bin/pdftoppm" if Path("/usr/bin/pdftoppm").is_file() else None)
 

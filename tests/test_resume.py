@@ -12,9 +12,10 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.cli import compose, main, resume_args
-from kvexp.results import ResultError, load_document
-from kvexp.runner import ServerPool, run_job
+from kvexp.app.cli import compose, main, resume_args
+from kvexp.results.store import ResultError, load_document
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402

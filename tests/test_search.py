@@ -1,4 +1,4 @@
-"""SLO search: the pure decisions of kvexp/search.py, and on the real llama-server the same answer as
+"""SLO search: the pure decisions of kvexp/metrics/search.py, and on the real llama-server the same answer as
 the full grid from fewer levels."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from conftest import TINY
 
-from kvexp import search
-from kvexp.search import Objectives, Probe, next_step
+from kvexp.metrics import search
+from kvexp.metrics.search import Objectives, Probe, next_step
 
 OBJ = Objectives("concurrency", slo_ttft_ms=100.0, slo_tpot_ms=None, min_growth=None)
 GRID = [float(c) for c in range(1, 17)]
@@ -87,8 +87,9 @@ def test_grid_filled_at_a_resolution():
 
 
 def test_bad_search_settings_are_one_line(tmp_path):
-    from kvexp.cli import compose
-    from kvexp.config import ConfigError, check_config
+    from kvexp.app.cli import compose
+    from kvexp.app.checks import check_config
+    from kvexp.core.config import ConfigError
 
     for overrides, message in (
             (["scenario.search=concurrency"], "give scenario.slo_ttft_ms and/or scenario.slo_tpot_ms"),
@@ -127,8 +128,9 @@ def _cut(levels):
 
 @pytest.fixture(scope="module")
 def grid_and_search(llama_server, tmp_path_factory):
-    from kvexp.cli import compose
-    from kvexp.runner import ServerPool, run_job
+    from kvexp.app.cli import compose
+    from kvexp.backends.pool import ServerPool
+    from kvexp.measure.runner import run_job
 
     pool, out = ServerPool(), {}
     try:
@@ -148,7 +150,7 @@ def grid_and_search(llama_server, tmp_path_factory):
 
 
 def test_the_search_finds_the_grids_answer_in_less_time(grid_and_search):
-    from kvexp.validate import check_file
+    from kvexp.results.validate import check_file
 
     (grid, _), (found, folder) = grid_and_search["grid"], grid_and_search["search"]
     obj = search.Objectives("concurrency", grid_and_search["slo"], None, min_growth=None)
@@ -167,8 +169,8 @@ def test_the_search_finds_the_grids_answer_in_less_time(grid_and_search):
 
 
 def test_the_reports_recommendation_names_the_answer(grid_and_search, tmp_path, monkeypatch):
-    from kvexp import report as R
-    from kvexp.results import collect
+    from kvexp.report import render as R
+    from kvexp.results.store import collect
 
     monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "none.json"))
     answer = grid_and_search["search"][0]["search"]["answer"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvexp import stats
-from kvexp.loadgen import RequestRecord
+from kvexp.metrics import stats
+from kvexp.measure.loadgen import RequestRecord
 
 
 def rec(sent, first, done, out, prompt=4, times=None, error=None):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp.validate import check_file
+from kvexp.results.validate import check_file
 
 SWEEP = ["-m", "kv=fp16,q8_0", "scenario=smoke"]
 
@@ -100,8 +100,8 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
     from hydra import compose, initialize_config_dir
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
-    import kvexp.cli  # noqa: F401  (registers kvexp's schemas)
-    from kvexp.paths import data_dir
+    import kvexp.app.cli  # noqa: F401  (registers kvexp's schemas)
+    from kvexp.core.paths import data_dir
 
     with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu"],
@@ -113,9 +113,9 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
 
 
 def test_job_statuses_count_a_job_that_left_no_result(tmp_path):
-    from kvexp.cli import compose
-    from kvexp.runner import skipped_result
-    from kvexp.summary import job_statuses
+    from kvexp.app.cli import compose
+    from kvexp.measure.runner import skipped_result
+    from kvexp.report.summary import job_statuses
 
     (tmp_path / "0_llamacpp-tiny-q8_0-smoke" / ".hydra").mkdir(parents=True)  # its process died early
     skipped_result(compose(TINY), tmp_path / "1_llamacpp-tiny-fp16-smoke", "for the test")

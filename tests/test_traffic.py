@@ -13,10 +13,12 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.cli import compose
-from kvexp.config import ConfigError, check_config
-from kvexp.runner import ServerPool, run_job
-from kvexp.validate import check_file
+from kvexp.app.cli import compose
+from kvexp.app.checks import check_config
+from kvexp.core.config import ConfigError
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.results.validate import check_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +111,7 @@ def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path):
     assert w["arrival_error_ms"]["p99"] < 20.0
     assert w["prompts_exact"] == 64 and w["output_tokens"]["realised"] == w["output_tokens"]["asked"]
     assert lv["prefix_cache"]["hit_tokens"] > 0  # rows that share hash ids share their first blocks
-    from kvexp import workload
+    from kvexp.workload import spec as workload
 
     rows = workload.load_trace(workload.resolve_path("@trace-tiny.jsonl"))
     recs = sorted(requests_of(tmp_path), key=lambda r: r["index"])
@@ -149,7 +151,7 @@ def test_llamacpp_length_distribution_is_realised_exactly(llama_server, tmp_path
 
 @pytest.mark.vllm
 def test_vllm_shared_prefix_hits_from_its_counters(tmp_path):
-    from kvexp.install import vllm_python
+    from kvexp.assets.install import vllm_python
 
     if vllm_python() is None:
         pytest.skip("no vLLM CPU venv in kvexp's cache: run `python -m kvexp install vllm`")
@@ -268,7 +270,7 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
     import asyncio
 
     from kvexp import backends
-    from kvexp.traffic import Traffic
+    from kvexp.measure.traffic import Traffic
 
     line = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "one two"},
                               {"from": "gpt", "value": "x" * 40}, {"from": "human", "value": "three"},
@@ -299,7 +301,7 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
 
 
 def test_workload_warnings_name_what_qualifies_a_level():
-    from kvexp.levels import workload_warnings
+    from kvexp.metrics.levels import workload_warnings
 
     codes = [w.code for w in workload_warnings(True, {"done": False, "how": "ollama offers no way"}, True, 3, 2, 8)]
     assert codes == ["cache_not_reset", "turns_not_sent", "entries_repeat"]

@@ -12,9 +12,10 @@ import pytest
 from conftest import TINY
 
 from kvexp.backends.llamacpp import exact_kv_bytes, slots_usage
-from kvexp.cli import compose
-from kvexp.runner import ServerPool, run_job
-from kvexp.validate import check_file
+from kvexp.app.cli import compose
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.results.validate import check_file
 
 FX = Path(__file__).parent / "fixtures" / "llamacpp"
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import backends, planner, whatif
+from kvexp import backends
+from kvexp.capacity import planner
+from kvexp.planning import whatif
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = backends.REGISTRY["vllm"].cache_model

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvexp import workload
-from kvexp.config import ConfigError, LengthDist
-from kvexp.workload import DataError, Entry, Message, TraceRow
+from kvexp.metrics import stats
+from kvexp.workload import spec as workload
+from kvexp.core.config import ConfigError, LengthDist
+from kvexp.workload.spec import DataError, Entry, Message, TraceRow
 
 CENTRE = 100
 DISTS = {
@@ -135,13 +136,13 @@ def test_sampling_a_bad_dist_is_refused():
 
 
 def test_summary_values_and_edges():
-    assert workload.summary([]) is None
-    s = workload.summary([4, 1, 3, 2])
+    assert stats.value_summary([]) is None
+    s = stats.value_summary([4, 1, 3, 2])
     assert s == {"n": 4, "mean": 2.5, "p50": 2.5, "p99": pytest.approx(3.97), "min": 1, "max": 4}
-    assert workload.summary([10, 20, 30, 40, 50])["p99"] == pytest.approx(49.6)
-    assert workload.summary([1, 2, 2])["mean"] == 1.667
-    assert workload.summary([7, 7, 7]) == {"n": 3, "mean": 7, "p50": 7, "p99": 7, "min": 7, "max": 7}
-    assert workload.summary([5]) == {"n": 1, "mean": 5, "p50": 5, "p99": 5, "min": 5, "max": 5}
+    assert stats.value_summary([10, 20, 30, 40, 50])["p99"] == pytest.approx(49.6)
+    assert stats.value_summary([1, 2, 2])["mean"] == 1.667
+    assert stats.value_summary([7, 7, 7]) == {"n": 3, "mean": 7, "p50": 7, "p99": 7, "min": 7, "max": 7}
+    assert stats.value_summary([5]) == {"n": 1, "mean": 5, "p50": 5, "p99": 5, "min": 5, "max": 5}
 
 
 def test_histogram_edges():

@@ -1,8 +1,8 @@
 """The backends kvexp can drive: one adapter module each, registered here by name.
 
-Adding a backend: write kvexp/backends/<name>.py (a subclass of base.Adapter), add it to REGISTRY
-below, add its config dataclass to kvexp/config.py's register_configs and conf/backend/<name>.yaml,
-and its tests. Nothing else names a backend."""
+Adding a backend: write kvexp/backends/<name>.py (a subclass of base.Adapter, with its config
+dataclass as `config_class`), add it to REGISTRY below (app/checks.register_configs stores its schema
+from there), write conf/backend/<name>.yaml and its tests. Nothing else names a backend."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvexp.backends.base import Adapter
 from kvexp.backends.llamacpp import LlamaCpp
 from kvexp.backends.ollama import Ollama
 from kvexp.backends.vllm import VLLM
-from kvexp.config import ConfigError, ExperimentConfig
+from kvexp.core.config import ConfigError, ExperimentConfig
 
 REGISTRY: dict[str, type[Adapter]] = {a.name: a for a in (LlamaCpp, VLLM, Ollama)}
 

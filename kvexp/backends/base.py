@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Optional
 
 import aiohttp
 
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
-from kvexp.planner import CacheModel, kv_bytes_per_element
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
+from kvexp.capacity.planner import CacheModel, kv_bytes_per_element
 
 
 class BackendError(RuntimeError):
@@ -84,6 +84,18 @@ def connector(limit: Optional[int] = None) -> aiohttp.TCPConnector:
 
 PORT = "{port}"  # stands for the port in a ServerSpec's argv and environment until launch
 
+
+
+def auth_headers(cfg: ExperimentConfig) -> Optional[dict[str, str]]:
+    """The Authorization header, from the environment variable backend.api_key_env names (the key itself
+    is never written anywhere); raises ConfigError when that variable is not set."""
+    name = cfg.backend.api_key_env
+    if not name:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise ConfigError(f"backend.api_key_env={name}: that environment variable is not set")
+    return {"Authorization": f"Bearer {key}"}
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -317,7 +329,7 @@ class Adapter:
         """One sample of the server's gauges (called every few tens of ms by telemetry.py)."""
         return TelemetrySample()
 
-    # ---- quality: what a KV dtype costs (kvexp/quality.py)
+    # ---- quality: what a KV dtype costs (kvexp/quality/measure.py)
     # how teacher-forced drift is measured: "perplexity_tool" (llama-perplexity over the same GGUF),
     # "prompt_logprobs" (the serving API's log-probabilities of given text), or None (not exposed)
     teacher_forced: ClassVar[Optional[str]] = None
@@ -371,7 +383,7 @@ class Adapter:
                      after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """Prompt tokens the server served from its prefix cache over a level (stats.prefix_cache_view):
         here from each request's own timings (llama.cpp: cache_n); None where the server does not say."""
-        from kvexp import stats
+        from kvexp.metrics import stats
 
         pairs = [(c, r.prompt_tokens) for r in records
                  if r.prompt_tokens is not None and (c := self.cached_tokens(r)) is not None]
@@ -383,7 +395,7 @@ class Adapter:
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """What the server measured for a level's requests (stats.server_view_*); None: not exposed."""
-        from kvexp import stats
+        from kvexp.metrics import stats
 
         timings = [t for r in records if r.ok and (t := self.request_timing(r.server_timings, r.output_tokens))]
         return stats.server_view_from_requests(timings, self.server_timing_source)

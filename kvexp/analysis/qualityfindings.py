@@ -1,0 +1,149 @@
+"""Findings that weigh a KV dtype's capacity and speed against its quality cost, computed from an
+aggregate's runs (their `quality` blocks, KV caches and levels). Pure: nothing here prints or reads.
+
+For each backend and model, every KV dtype with a quality block is set beside the 16-bit baseline:
+its KV capacity (tokens, or bytes where the token count is fixed by -c, as on llama.cpp) relative to
+the baseline's, its throughput change at the highest concurrency both measured in a scenario, and the
+drift: mean (p99) KLD and top-1 agreement per context depth, and identical greedy continuations."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from kvexp.analysis.findings import Finding, backend_name, is_num, level_x, num, sorted_levels, usable
+
+
+def fmt_kld(v: Optional[float]) -> str:
+    """A KL divergence in nats: three significant digits; 0 stays 0 (below the measurement's resolution)."""
+    if v is None:
+        return "—"
+    return "0" if v == 0 else f"{v:.3g}"
+
+
+def fmt_share(v: Optional[float]) -> str:
+    """A share as a percentage: "100 %" only when it is exactly 1, else three decimals rounded down,
+    so that one disagreement in ten thousand never reads as 100."""
+    if v is None:
+        return "—"
+    if v >= 1:
+        return "100 %"
+    return f"{math.floor(v * 100_000) / 1000:.3f} %"
+
+
+def _quality(run: dict) -> Optional[dict]:
+    q = run.get("quality")
+    return q if isinstance(q, dict) else None
+
+
+def _kv(run: dict) -> str:
+    q = _quality(run)
+    return str((q or {}).get("kv") or run.get("kv_requested") or "")
+
+
+def _ok_depths(q: dict) -> list[dict]:
+    return [d for d in (q.get("teacher_forced") or {}).get("depths") or []
+            if d.get("status") == "ok" and is_num(d.get("kld_mean"))]
+
+
+def _capacity(runs: list[dict], kv: str) -> tuple[Optional[float], Optional[float]]:
+    """(capacity tokens, KV bytes) of the first run of this KV dtype that reported them."""
+    tokens = next((r["kv_cache"].get("capacity_tokens") for r in runs if _kv(r) == kv
+                   and is_num((r.get("kv_cache") or {}).get("capacity_tokens"))), None)
+    size = next((r["kv_cache"].get("bytes") for r in runs if _kv(r) == kv
+                 and is_num((r.get("kv_cache") or {}).get("bytes"))), None)
+    return tokens, size
+
+
+def _capacity_words(runs: list[dict], kv: str, base: str) -> Optional[str]:
+    t, b = _capacity(runs, kv)
+    t0, b0 = _capacity(runs, base)
+    if t and t0 and t != t0:
+        return f"{t / t0:.2f}× KV capacity ({int(t):,} vs {int(t0):,} tokens)"
+    if b and b0:
+        return f"{b / b0:.2f}× KV memory for the same tokens"
+    return None
+
+
+def _speed_words(runs: list[dict], kv: str, base: str) -> Optional[str]:
+    """Throughput change at the highest level both dtypes measured in one scenario."""
+    best = None
+    for scen in sorted({str(r.get("scenario")) for r in runs}):
+        a = next((r for r in runs if r.get("scenario") == scen and _kv(r) == kv and r.get("levels")), None)
+        b = next((r for r in runs if r.get("scenario") == scen and _kv(r) == base and r.get("levels")), None)
+        if a is None or b is None:
+            continue
+        ta = {level_x(lv): num(lv, "throughput_tok_s") for lv in sorted_levels(a) if usable(a, lv)}
+        tb = {level_x(lv): num(lv, "throughput_tok_s") for lv in sorted_levels(b) if usable(b, lv)}
+        common = [x for x in ta if x in tb and x is not None and ta[x] and tb[x]]
+        if common:
+            x = max(common, key=lambda k: k[1])
+            cand = (x[1], scen, (ta[x] - tb[x]) / tb[x] * 100, x[0])
+            best = cand if best is None or cand[0] > best[0] else best
+    if best is None:
+        return None
+    xv, scen, pct, kind = best
+    where = f"c={xv:g}" if kind == "concurrency" else f"{xv:g} req/s"
+    return f"{pct:+.0f} % throughput at {where} ({scen})"
+
+
+def _drift_words(q: dict) -> Optional[str]:
+    depths = _ok_depths(q)
+    if not depths:
+        return None
+    first, rest = depths[0], depths[1:]
+    s = f"mean KLD {fmt_kld(first['kld_mean'])}"
+    if is_num(first.get("kld_p99")):
+        s += f" (p99 {fmt_kld(first['kld_p99'])})"
+    if is_num(first.get("top1_agreement")):
+        s += f", top-1 agreement {fmt_share(first['top1_agreement'])}"
+    s += f" at depth {first['context']}"
+    if rest:
+        s += " (" + ", ".join(f"{fmt_kld(d['kld_mean'])} at {d['context']}" for d in rest) + ")"
+    return s
+
+
+def _continuation_words(q: dict) -> Optional[str]:
+    c = q.get("continuation") or {}
+    share, n = c.get("identical_share"), c.get("prompts")
+    if not is_num(share) or not n:
+        return None
+    return f"{round(share * n)}/{n} greedy continuations identical"
+
+
+def quality_findings(aggregate: dict) -> list[Finding]:
+    """One `quality_trade` finding per non-baseline KV dtype with a quality block, and a
+    `quality_nondeterministic` one per baseline that did not reproduce itself."""
+    runs = list(aggregate.get("runs") or [])
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((str(r.get("backend")), str(r.get("model"))), []).append(r)
+    out: list[Finding] = []
+    for (backend, _model), group in groups.items():
+        seen: set[str] = set()
+        for r in group:
+            q = _quality(r)
+            if q is None or _kv(r) in seen:
+                continue
+            seen.add(_kv(r))
+            base = str((q.get("baseline") or {}).get("kv") or "")
+            det = q.get("determinism") or {}
+            if det.get("deterministic") is False:
+                out.append(Finding(
+                    "quality_nondeterministic",
+                    f"{backend_name(backend)}: the {base} baseline did not reproduce itself ({det.get('summary')}): "
+                    f"{r.get('label')}'s drift figures include that nondeterminism.",
+                    str(r.get("scenario")), (str(r.get("label")),), {"determinism": det}))
+            if _kv(r) == base:
+                continue
+            parts = [p for p in (_capacity_words(group, _kv(r), base), _speed_words(group, _kv(r), base),
+                                 _drift_words(q), _continuation_words(q)) if p]
+            if not parts:
+                continue
+            out.append(Finding(
+                "quality_trade",
+                f"{backend_name(backend)} {_kv(r)} KV vs {base}: " + ", ".join(parts) + f" ({r.get('label')}).",
+                str(r.get("scenario")), (str(r.get("label")),),
+                {"kv": _kv(r), "baseline_kv": base, "depths": _ok_depths(q),
+                 "continuation": q.get("continuation")}))
+    return out

@@ -1,0 +1,233 @@
+"""One recommendation per scenario and latency objective: the configuration that serves the most
+concurrent users (or the highest request rate) within the SLO, with its capacity, its throughput
+there, the quality cost of its KV dtype where the run carries a `quality` block, the runner-up and
+the margin; or, when nothing meets the SLO, by how much the closest configuration misses.
+
+A run's capacity is its SLO search's answer (result["search"]) where it searched, else the highest
+level of its grid below the first one that misses the objectives (kvexp/metrics/search.py's evaluate: the
+SLO percentile, averaged over repeats; failed or preempting levels miss). Ties in capacity are broken
+by throughput at that level, and a throughput margin is called one only when kvexp/analysis/noise.py finds a
+measurable difference. Scenarios with no SLO are ranked by peak throughput (noise-aware the same way)
+and say that no objective was set. Pure: aggregates in, JSON-ready dicts out."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvexp.analysis import noise
+from kvexp.metrics import search
+from kvexp.analysis import findings as F
+
+
+def slo_of(run: dict) -> Optional[dict[str, Any]]:
+    """The run's objectives: its search's, else its own `slo` (None: it set none)."""
+    s = run.get("search") if isinstance(run.get("search"), dict) else None
+    o = (s or {}).get("objectives") or run.get("slo")
+    if not isinstance(o, dict) or (o.get("slo_ttft_ms") is None and o.get("slo_tpot_ms") is None):
+        return None
+    return {"slo_ttft_ms": o.get("slo_ttft_ms"), "slo_tpot_ms": o.get("slo_tpot_ms"),
+            "percentile": o.get("percentile") or "p95"}
+
+
+def slo_text(slo: Optional[dict[str, Any]]) -> str:
+    if slo is None:
+        return "no latency objective"
+    p = slo["percentile"]
+    parts = ([f"TTFT {p} ≤ {slo['slo_ttft_ms']:g} ms"] if slo.get("slo_ttft_ms") is not None else []) + (
+        [f"TPOT {p} ≤ {slo['slo_tpot_ms']:g} ms"] if slo.get("slo_tpot_ms") is not None else [])
+    return " and ".join(parts)
+
+
+def quality_summary(run: dict) -> Optional[dict[str, float]]:
+    """The numbers of a run's `quality` block that say what its KV dtype costs (KL divergence,
+    agreement, perplexity), top level or one level down; None without a block."""
+    q = run.get("quality")
+    if not isinstance(q, dict):
+        return None
+    out: dict[str, float] = {}
+
+    def take(prefix: str, d: dict) -> None:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and any(
+                    w in k.lower() for w in ("kld", "kl_", "agreement", "ppl", "perplexity", "top1", "same_top")):
+                out[key] = float(v)
+
+    take("", q)
+    for k, v in q.items():
+        if isinstance(v, dict):
+            take(f"{k}.", v)
+    return out or {}
+
+
+def _levels_by_x(run: dict, kind: str) -> dict[float, list[dict]]:
+    by_x: dict[float, list[dict]] = {}
+    for lv in run.get("levels") or []:
+        if isinstance(lv, dict) and F.is_num(lv.get(kind)) and (kind == "rate" or not F.is_num(lv.get("rate"))):
+            by_x.setdefault(float(lv[kind]), []).append(lv)
+    return by_x
+
+
+def _kind(run: dict) -> str:
+    s = run.get("search")
+    if isinstance(s, dict) and s.get("kind") in search.KINDS:
+        return s["kind"]
+    return "rate" if any(isinstance(lv, dict) and F.is_num(lv.get("rate")) for lv in run.get("levels") or []) \
+        else "concurrency"
+
+
+def capacity(run: dict, slo: dict[str, Any]) -> dict[str, Any]:
+    """{kind, capacity (None: nothing meets), level (the capacity's level, merged), probes, miss_pct,
+    miss_at, miss_what} for one run against one SLO."""
+    kind = _kind(run)
+    obj = search.Objectives(kind, slo.get("slo_ttft_ms"), slo.get("slo_tpot_ms"), slo["percentile"])
+    by_x = _levels_by_x(run, kind)
+    probes = [search.evaluate(x, lvs, obj) for x, lvs in sorted(by_x.items())]
+    s = run.get("search") if isinstance(run.get("search"), dict) else None
+    cap = s.get("answer") if s and slo_of(run) == slo else search.grid_answer(probes)
+    level = next((lv for lv in F.sorted_levels(run) if F.level_x(lv) == (kind, cap)), None) if cap is not None else None
+    miss = miss_at = miss_what = None
+    if probes and cap is None:
+        low = probes[0]
+        ratios = []
+        if obj.slo_ttft_ms and low.ttft_ms is not None:
+            ratios.append((low.ttft_ms / obj.slo_ttft_ms - 1, f"TTFT {obj.percentile} {low.ttft_ms:.1f} ms"))
+        if obj.slo_tpot_ms and low.tpot_ms is not None:
+            ratios.append((low.tpot_ms / obj.slo_tpot_ms - 1, f"TPOT {obj.percentile} {low.tpot_ms:.2f} ms"))
+        if ratios:
+            r, what = max(ratios)
+            miss, miss_at, miss_what = round(r * 100, 1), low.x, what
+    return {"kind": kind, "capacity": cap, "level": level, "miss_pct": miss, "miss_at": miss_at,
+            "miss_what": miss_what}
+
+
+def _entry(run: dict, cap: dict[str, Any]) -> dict[str, Any]:
+    lv = cap["level"] or {}
+    return {"label": str(run.get("label")), "backend": run.get("backend"), "kv": F.kv_name(run).display,
+            "capacity": cap["capacity"], "kind": cap["kind"],
+            "throughput_tok_s": F.num(lv, "throughput_tok_s") if lv else None,
+            "quality": quality_summary(run)}
+
+
+def _peak(run: dict) -> Optional[dict]:
+    best = None
+    for lv in F.sorted_levels(run):
+        v = F.num(lv, "throughput_tok_s")
+        if v is not None and F.usable(run, lv) and F.level_x(lv) and (best is None or v > best["throughput_tok_s"]):
+            best = lv
+    return best
+
+
+def _fmt_x(kind: str, x: Any) -> str:
+    return "—" if x is None else (f"{x:g} concurrent requests" if kind == "concurrency" else f"{x:g} requests/s")
+
+
+def _quality_text(q: Optional[dict[str, float]]) -> str:
+    if not q:
+        return ""
+    return "; quality of its KV dtype: " + ", ".join(f"{k} {v:g}" for k, v in list(q.items())[:4])
+
+
+def _with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, Any]:
+    caps = [(r, capacity(r, slo)) for r in runs]
+    meeting = [(r, c) for r, c in caps if c["capacity"] is not None]
+    out: dict[str, Any] = {"scenario": scenario, "slo": slo, "met": bool(meeting), "best": None,
+                           "runner_up": None, "margin": None, "miss": None, "sentence": ""}
+    head = f"{scenario}, {slo_text(slo)}"
+    if not meeting:
+        closest = min((rc for rc in caps if rc[1]["miss_pct"] is not None), key=lambda rc: rc[1]["miss_pct"],
+                      default=None)
+        if closest is None:
+            out["sentence"] = f"{head}: nothing meets the objectives, and no level has the figures to say by how much."
+            return out
+        r, c = closest
+        out["miss"] = {"label": str(r.get("label")), "at": c["miss_at"], "kind": c["kind"], "miss_pct": c["miss_pct"],
+                       "figure": c["miss_what"]}
+        out["sentence"] = (f"{head}: nothing meets the objectives; the closest, {r.get('label')} ({F.run_kind(r)}), "
+                           f"misses by {c['miss_pct']:g} % at its lowest level ({F.x_words(c['kind'])} "
+                           f"{c['miss_at']:g}: {c['miss_what']}).")
+        return out
+    ranked = sorted(meeting, key=lambda rc: (rc[1]["capacity"], F.num(rc[1]["level"] or {}, "throughput_tok_s") or 0),
+                    reverse=True)
+    (br, bc) = ranked[0]
+    out["best"] = _entry(br, bc)
+    sentence = (f"{head}: {br.get('label')} ({F.run_kind(br)}) serves the most, {_fmt_x(bc['kind'], bc['capacity'])} "
+                f"within the objectives")
+    tput = out["best"]["throughput_tok_s"]
+    if tput is not None:
+        sentence += f", {tput:.1f} tok/s there"
+    sentence += _quality_text(out["best"]["quality"])
+    if len(ranked) > 1:
+        rr, rc = ranked[1]
+        out["runner_up"] = _entry(rr, rc)
+        diff = bc["capacity"] - rc["capacity"]
+        margin: dict[str, Any] = {"capacity": diff, "capacity_pct": round(diff / rc["capacity"] * 100, 1)
+                                  if rc["capacity"] else None}
+        v = None
+        if diff == 0 and bc["level"] and rc["level"]:
+            v = noise.compare(br, bc["level"], rr, rc["level"], "throughput_tok_s")
+            if v is not None:
+                margin.update(throughput_pct=None if v.diff_pct is None else round(v.diff_pct, 1), **v.numbers())
+        out["margin"] = margin
+        if diff > 0:
+            pct = "" if margin["capacity_pct"] is None else f", +{margin['capacity_pct']:g} %"
+            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}), {_fmt_x(rc['kind'], rc['capacity'])} "
+                         f"(margin {diff:g}{pct})")
+        elif v is not None and not v.measurable:
+            sentence += (f"; {rr.get('label')} ({F.run_kind(rr)}) serves as many, and their throughput there shows "
+                         f"{v.phrase}: either will do")
+        else:
+            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}) serves as many"
+                         + (f" at lower throughput, {v.phrase}" if v is not None else ""))
+    out["sentence"] = sentence + "."
+    return out
+
+
+def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
+    peaks = [(r, lv) for r in runs for lv in [_peak(r)] if lv is not None]
+    if not peaks:
+        return None
+    peaks.sort(key=lambda rl: F.num(rl[1], "throughput_tok_s") or 0, reverse=True)
+    (br, bl) = peaks[0]
+    kind, x = F.level_x(bl)  # type: ignore[misc]
+    best = {"label": str(br.get("label")), "backend": br.get("backend"), "kv": F.kv_name(br).display,
+            "capacity": None, "kind": kind, "at": x, "throughput_tok_s": F.num(bl, "throughput_tok_s"),
+            "quality": quality_summary(br)}
+    out: dict[str, Any] = {"scenario": scenario, "slo": None, "met": None, "best": best, "runner_up": None,
+                           "margin": None, "miss": None}
+    sentence = (f"{scenario}, no latency objective set (scenario.slo_ttft_ms / slo_tpot_ms): by peak throughput, "
+                f"{br.get('label')} ({F.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
+                f"{F.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
+    if len(peaks) > 1:
+        rr, rl = peaks[1]
+        rk, rx = F.level_x(rl)  # type: ignore[misc]
+        out["runner_up"] = {"label": str(rr.get("label")), "backend": rr.get("backend"), "kv": F.kv_name(rr).display,
+                            "capacity": None, "kind": rk, "at": rx, "throughput_tok_s": F.num(rl, "throughput_tok_s"),
+                            "quality": quality_summary(rr)}
+        v = noise.compare(br, bl, rr, rl, "throughput_tok_s")
+        if v is not None:
+            out["margin"] = {"throughput_pct": None if v.diff_pct is None else round(v.diff_pct, 1), **v.numbers()}
+            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} "
+                         f"tok/s at {F.x_words(rk)} {rx:g}: {v.phrase}")
+    out["sentence"] = sentence + "."
+    return out
+
+
+def recommendations(aggregate: dict) -> list[dict[str, Any]]:
+    """One recommendation per scenario and SLO (schema/aggregate.schema.json `recommendations`)."""
+    out: list[dict[str, Any]] = []
+    for scen, runs in F.scenarios(aggregate):
+        usable = [r for r in runs if F.run_status(r) not in ("failed", "skipped")]
+        groups: dict[tuple, list[dict]] = {}
+        for r in usable:
+            slo = slo_of(r)
+            if slo is not None:
+                groups.setdefault(tuple(sorted(slo.items())), []).append(r)
+        if groups:
+            for key, rs in groups.items():
+                out.append(_with_slo(scen, dict(key), rs))
+        else:
+            rec = _without_slo(scen, usable)
+            if rec is not None:
+                out.append(rec)
+    return out

@@ -1,0 +1,242 @@
+"""Checks of a composed ExperimentConfig that Hydra's typing cannot make: ranges, addresses, the
+backend's own rules and environment, the scenario against the context. Each failure is one ConfigError
+line naming the key. Hydra's config store is filled here too (register_configs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from hydra.core.config_store import ConfigStore
+
+from kvexp.backends import REGISTRY, adapter_class
+from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
+                               ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
+                               check_kv)
+from kvexp.core.paths import data_dir
+from kvexp.workload import spec as workload
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="experiment_schema", node=ExperimentConfig)
+    for adapter in REGISTRY.values():
+        cs.store(group="backend", name=f"{adapter.name}_schema", node=adapter.config_class)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="kv", name="kv_schema", node=KVConfig)
+    cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)
+    cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
+    """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
+    b, s, kv = cfg.backend, cfg.scenario, cfg.kv
+    ref = adapter_class(b.name).model_field
+    _require(cfg.unsupported in ("error", "skip"),
+             f"unsupported={cfg.unsupported!r}: allowed values are error, skip")
+    _require(s.prompt_tokens >= 1, f"scenario.prompt_tokens={s.prompt_tokens}: must be >= 1")
+    _require(s.max_tokens >= 1, f"scenario.max_tokens={s.max_tokens}: must be >= 1")
+    _require(s.requests >= 1, f"scenario.requests={s.requests}: must be >= 1")
+    _require(s.warmup_requests >= 0, f"scenario.warmup_requests={s.warmup_requests}: must be >= 0")
+    _require(s.repeats >= 1, f"scenario.repeats={s.repeats}: must be >= 1")
+    _require(s.kind in ("speed", "quality"), f"scenario.kind={s.kind!r}: allowed values are speed, quality")
+    _require(s.kind == "quality" or bool(s.concurrency) or bool(s.rates) or bool(s.trace),
+             f"scenario {s.name}: give scenario.concurrency (e.g. [1,4,16]) or scenario.rates")
+    _require(all(c >= 1 for c in s.concurrency),
+             f"scenario.concurrency={list(s.concurrency)}: every level must be an integer >= 1")
+    _require(all(r > 0 for r in s.rates), f"scenario.rates={list(s.rates)}: every rate must be > 0")
+    _require(s.api in ("completions", "chat"), f"scenario.api={s.api!r}: allowed values are completions, chat")
+    _require(s.arrival in ("constant", "poisson"),
+             f"scenario.arrival={s.arrival!r}: allowed values are constant, poisson")
+    _require(s.max_concurrency is None or s.max_concurrency >= 1,
+             f"scenario.max_concurrency={s.max_concurrency}: must be >= 1 (or null for no cap)")
+    _require(s.max_start_rate is None or s.max_start_rate > 0,
+             f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
+    check_search(s)
+    workload.check_scenario(s)
+    caps = adapter_class(b.name).capabilities
+    _require(not s.trace or (s.api == "completions" and caps.exact_prompts),
+             f"scenario.trace: replaying a trace needs token-id prompts, the completions API of a backend with a "
+             f"tokenizer endpoint (backend={b.name}, scenario.api={s.api})")
+    check_client(cfg.client)
+    check_known_keys(cfg)
+    check_ranges(cfg)
+    check_quality(cfg.quality)
+    _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
+    check_kv(b.name, kv, kv_choices)
+    adapter_class(b.name).check_environment(b)
+    _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
+             f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
+
+
+def check_known_keys(obj: Any, path: str = "") -> None:
+    """Refuse keys no schema declares. Hydra's `+key=value` adds a key even to a structured config,
+    and OmegaConf.to_object sets such a key as a plain attribute of the dataclass it builds; nothing
+    reads it, so a typo like `+scenario.max_token=64` would run with the default unnoticed."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    fields = {f.name for f in dataclasses.fields(obj)}
+    extra = sorted(k for k in vars(obj) if k not in fields and not k.startswith("_"))
+    _require(not extra, f"{path}{extra[0] if extra else ''}: unknown key; allowed keys are {', '.join(sorted(fields))}")
+    for name in sorted(fields):
+        check_known_keys(getattr(obj, name), f"{path}{name}.")
+
+
+def _in(key: str, value: Any, lo: float, hi: float | None = None, *, low_open: bool = False,
+        null: str | None = None) -> None:
+    """value within [lo, hi] ((lo, hi] with low_open); None allowed when `null` says what it means."""
+    if value is None and null is not None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (value > lo if low_open else value >= lo) and (hi is None or value <= hi)
+    lo_s = f"> {_num(lo)}" if low_open else f">= {_num(lo)}"
+    allowed = f"{lo_s} and <= {_num(hi)}" if hi is not None else lo_s
+    _require(ok, f"{key}={value}: must be {allowed}" + (f" (or null: {null})" if null else ""))
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+
+def check_host(key: str, host: str) -> None:
+    """An IP address literal or a DNS name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    name_ok = bool(host) and len(host) <= 253 and not re.fullmatch(r"[0-9.]+", host) and all(
+        re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label) for label in host.rstrip(".").split("."))
+    _require(name_ok, f"{key}={host!r}: not an IP address or host name (e.g. 127.0.0.1, ::1, localhost)")
+
+
+def check_endpoint(key: str, url: str) -> None:
+    parts = urlsplit(url)
+    _require(parts.scheme in ("http", "https") and bool(parts.hostname),
+             f"{key}={url!r}: must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    _require(port is None or 1 <= port <= 65535, f"{key}={url!r}: the port must be in 1..65535")
+    check_host(key, parts.hostname or "")
+
+
+def check_ranges(cfg: ExperimentConfig) -> None:
+    """Every number within the range that can run, every address well-formed: refused at compose
+    time with the key and the allowed range, instead of failing when the server or a socket refuses."""
+    b, s, g, m = cfg.backend, cfg.scenario, cfg.gpu, cfg.model
+    _in("backend.port", b.port, 1, 65535, null="a free port")
+    check_host("backend.host", b.host)
+    if b.endpoint is not None:
+        check_endpoint("backend.endpoint", b.endpoint)
+    _in("backend.ready_timeout_s", b.ready_timeout_s, 0, low_open=True)
+    _in("backend.stop_grace_s", b.stop_grace_s, 0, 3600)
+    _in("backend.parallel", b.parallel, 1, MAX_STREAMS, null="the backend's default")
+    _in("backend.context", b.context, 1, 1 << 24, null="derived from the scenario")
+    for key in ("threads", "block_size", "kv_cache_memory_bytes"):
+        if hasattr(b, key):
+            _in(f"backend.{key}", getattr(b, key), 1, null="the backend's default")
+    if hasattr(b, "n_gpu_layers"):
+        _in("backend.n_gpu_layers", b.n_gpu_layers, -1, null="the backend's default")
+    if hasattr(b, "gpu_memory_utilization"):
+        _in("backend.gpu_memory_utilization", b.gpu_memory_utilization, 0, 1, low_open=True,
+            null="the backend's default")
+    _in("gpu.memory_gib", g.memory_gib, 0, 1 << 20, low_open=True, null="read from NVML")
+    _in("gpu.index", g.index, 0, 1023)
+    _in("gpu.sample_interval_s", g.sample_interval_s, 0.001, 60)
+    for key in ("n_layers", "n_kv_heads", "head_dim"):
+        _in(f"model.{key}", getattr(m, key), 1, null="read from the model files")
+    for key in ("params_b", "weights_gib", "weight_bits"):
+        _in(f"model.{key}", getattr(m, key), 0, low_open=True, null="read from the model files")
+    _require(not (s.concurrency and s.rates),
+             f"scenario.concurrency={list(s.concurrency)} and scenario.rates={list(s.rates)} are both set: give one "
+             "(for rates, add scenario.concurrency=[])")
+    _require(all(1 <= c <= MAX_STREAMS for c in s.concurrency),
+             f"scenario.concurrency={list(s.concurrency)}: every level must be an integer in 1..{MAX_STREAMS:,}")
+    _require(all(0 < r <= MAX_RATE for r in s.rates),
+             f"scenario.rates={list(s.rates)}: every rate must be > 0 and <= {_num(MAX_RATE)} requests/s")
+    _in("scenario.max_concurrency", s.max_concurrency, 1, MAX_STREAMS, null="no cap")
+    _in("scenario.prompt_tokens", s.prompt_tokens, 1, MAX_TOKENS)
+    _in("scenario.max_tokens", s.max_tokens, 1, MAX_TOKENS)
+    _in("scenario.requests", s.requests, 1, MAX_REQUESTS)
+    _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_REQUESTS)
+    _in("scenario.repeats", s.repeats, 1, 1000)
+    _in("scenario.request_timeout_s", s.request_timeout_s, 0, low_open=True)
+    _in("scenario.stall_timeout_s", s.stall_timeout_s, 0, low_open=True)
+    _in("scenario.slo_ttft_ms", s.slo_ttft_ms, 0, low_open=True, null="no TTFT objective")
+    _in("scenario.slo_tpot_ms", s.slo_tpot_ms, 0, low_open=True, null="no TPOT objective")
+    check_fits_context(cfg)
+
+
+def check_fits_context(cfg: ExperimentConfig) -> None:
+    """A request must fit the context each sequence gets, or every request of every level fails with
+    HTTP 400. The context per sequence is the adapter's (llama.cpp splits -c over its slots, vLLM and
+    Ollama give each sequence the whole context)."""
+    b, s = cfg.backend, cfg.scenario
+    if b.context is None or b.endpoint is not None:
+        return
+    try:
+        spec = adapter_class(b.name)(cfg, None, None).spec
+    except ConfigError:
+        return  # the config has another problem, reported on its own
+    per_seq = spec.context_per_seq_tokens
+    if per_seq is None:
+        return
+    need = workload.longest_sequence(s)
+    slots = spec.slots or 1
+    split = per_seq < (spec.context_tokens or per_seq)
+    where = f"backend.context={b.context}" + (f" over {slots} slots (backend.parallel)" if split else "")
+    what = ("scenario.prompt_tokens + scenario.max_tokens" if workload.kind(s) == "synthetic" and need ==
+            s.prompt_tokens + s.max_tokens else "the scenario's longest request (prompt and output)")
+    _require(need <= per_seq, f"{what} = {need} tokens do not fit the "
+             f"{per_seq} tokens per sequence of {where}: raise backend.context or shorten the scenario")
+
+
+def check_search(s: ScenarioConfig) -> None:
+    """An SLO search needs its kind's levels, an objective, a known percentile and a positive step."""
+    _require(s.slo_percentile in ("p50", "p95", "p99"),
+             f"scenario.slo_percentile={s.slo_percentile!r}: allowed values are p50, p95, p99")
+    if s.search is None:
+        return
+    _require(s.search in ("concurrency", "rate"),
+             f"scenario.search={s.search!r}: allowed values are concurrency, rate (or null)")
+    levels = s.concurrency if s.search == "concurrency" else s.rates
+    _require(bool(levels) and (s.search == "rate" or not s.rates),
+             f"scenario.search={s.search}: give the grid to search as scenario.{'concurrency' if s.search == 'concurrency' else 'rates'}"
+             + (" (and no scenario.rates)" if s.search == "concurrency" else ""))
+    _require(s.slo_ttft_ms is not None or s.slo_tpot_ms is not None,
+             f"scenario.search={s.search}: give scenario.slo_ttft_ms and/or scenario.slo_tpot_ms to search against")
+    _require(s.search_min_growth is None or s.search_min_growth >= 0,
+             f"scenario.search_min_growth={s.search_min_growth}: must be >= 0 (or null: never stop on a plateau)")
+    _require(s.search_resolution is None or s.search_resolution > 0,
+             f"scenario.search_resolution={s.search_resolution}: must be > 0 (or null: the grid as given)")
+
+
+def check_client(c: ClientConfig) -> None:
+    w = c.workers
+    _require(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1),
+             f"client.workers={w!r}: allowed values are auto or a number >= 1")
+    _require(c.event_loop in ("auto", "asyncio", "uvloop"),
+             f"client.event_loop={c.event_loop!r}: allowed values are auto, asyncio, uvloop")
+
+
+def check_quality(q: QualityConfig) -> None:
+    _require(bool(q.depths) and all(d >= 16 for d in q.depths),
+             f"quality.depths={list(q.depths)}: give context depths of at least 16 tokens, e.g. [512,2048]")
+    for key in ("chunks", "prompts", "prompt_tokens", "max_tokens", "top_k"):
+        v = getattr(q, key)
+        _require(v >= 1, f"quality.{key}={v}: must be >= 1")
+    _require((data_dir("conf") / "kv" / f"{q.baseline}.yaml").is_file(),
+             f"quality.baseline={q.baseline}: no such KV option (one of conf/kv/*.yaml, e.g. fp16)")
+    _require(q.text is None or Path(q.text).expanduser().is_file(),
+             f"quality.text={q.text}: no such file (give a UTF-8 text file, or leave it unset for kvexp's own)")

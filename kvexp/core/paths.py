@@ -1,0 +1,81 @@
+"""Where kvexp's own data folders are: the repository's top level in a source checkout, or
+kvexp/_data/ in an installed wheel (pyproject ships conf/, templates/ and schema/ there); its cache;
+and the one way kvexp writes a file that a reader may open at any moment."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+_PKG = Path(__file__).resolve().parent.parent  # kvexp/
+
+
+def cache_dir() -> Path:
+    """kvexp's per-machine cache (built servers, models, calibration): $KVEXP_CACHE, else
+    $XDG_CACHE_HOME/kvexp, else ~/.cache/kvexp."""
+    base = os.environ.get("KVEXP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp")
+    return Path(base)
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_dir(name: str) -> Path:
+    for cand in (_PKG.parent / name, _PKG / "_data" / name):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError(f"kvexp's {name}/ folder is missing from this installation")
+
+
+def atomic_write(path: Path, data: str | bytes) -> Path:
+    """Write data to path atomically: a temporary file beside it, then a rename; a reader sees the old
+    file or the new one, never half of one, and an interrupted write leaves nothing behind."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None  # named by the file meant, not the temporary one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+RESERVE_BYTES = 64 << 10  # room for a job's last result.json write (its levels, status, log tail)
+
+
+class SpaceReserve:
+    """A small file of real blocks kept in a job folder while the job runs and removed just before its
+    last result is written: when the disk fills mid-job, that write still finds room to record why
+    the job failed. A folder that cannot hold it simply runs without one."""
+
+    def __init__(self, folder: Path, size: int = RESERVE_BYTES):
+        self.path: Path | None = folder / ".kvexp-reserve"
+        try:
+            with open(self.path, "wb") as f:
+                f.write(b"\0" * size)  # written, not a sparse truncate: the blocks must be taken now
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            self.release()
+
+    def release(self) -> None:
+        if self.path is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.path = None

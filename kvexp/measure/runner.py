@@ -1,0 +1,517 @@
+"""One job: a server with one KV configuration, driven through one scenario's levels.
+
+The runner owns the order of things (launch or attach, check the KV cache the server reports, warm
+up, measure each level while sampling memory and the server's telemetry, write results after every
+level) and nothing else: timing is the load generator's, maths is stats.py's, formats are results.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+
+from kvexp import backends
+from kvexp.assets import embedded
+from kvexp.capacity import modelinfo
+from kvexp.planning import prediction
+from kvexp.metrics import search, stats
+from kvexp.workload import spec as workload
+from kvexp.backends.base import Adapter, BackendError, KVCacheInfo, auth_headers
+from kvexp.backends.pool import Server, ServerPool
+from kvexp.backends.process import tail
+from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label
+from kvexp.core.paths import SpaceReserve
+from kvexp.capacity.planner import ModelArch
+from kvexp.measure.gpu import GIB, MemorySampler, gpu_info
+from kvexp.metrics.levels import Level, kv_peak, level_warnings, workload_warnings
+from kvexp.measure.loadgen import LoadGenerator, Observer, arrival_offsets, make_session
+from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
+                           level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
+from kvexp.measure.telemetry import TelemetrySampler
+from kvexp.measure.traffic import Traffic
+from kvexp.results.validate import SCHEMA_VERSION
+from kvexp.measure.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
+
+log = logging.getLogger("kvexp")
+POLL_INTERVAL_S = 0.2
+
+
+
+@dataclass
+class Job:
+    cfg: ExperimentConfig
+    out_dir: Path
+    result: dict[str, Any] = field(default_factory=dict)
+    kept: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # level value -> entries (resume)
+
+    @property
+    def result_path(self) -> Path:
+        return self.out_dir / RESULT_FILE
+
+    @property
+    def plan(self) -> list[tuple[str, float]]:
+        """The scenario's levels in order: (kind, value), kind concurrency or rate."""
+        s = self.cfg.scenario
+        if s.trace:  # one level: the trace at its own pace (x time_scale)
+            return [("rate", workload.trace_rate(s))]
+        if s.search:  # the grid an SLO search moves on (kvexp/metrics/search.py)
+            return [(s.search, int(x) if s.search == "concurrency" else x) for x in search.scenario_grid(s)]
+        return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
+
+    def save(self) -> None:
+        write_json(self.result_path, self.result, "result")
+
+    def add_level(self, level: dict[str, Any]) -> None:
+        """Record a measured level in the plan's order (a resumed job mixes kept and new ones) and save."""
+        repeats = range(self.cfg.scenario.repeats)
+        order = {key: i for i, key in enumerate((v, r) for _, v in self.plan for r in repeats)}
+        levels = self.result["levels"]
+        levels.append(level)
+        levels.sort(key=lambda lv: order.get((level_value(lv), lv["repeat"]), len(order)))
+        self.save()
+
+
+def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, Any]:
+    """A job's result before anything is measured (backend None: a job that was not run)."""
+    plain = spec_of(cfg)
+    gi = gpu_info(cfg.gpu.index)
+    s = cfg.scenario
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "kvexp.job",
+        "kvexp_version": environment()["kvexp_version"],
+        "label": job_label(cfg),
+        "status": "partial",
+        "status_reason": "unfinished: the job was running when this was written",
+        "started_at": utc_now(),
+        "finished_at": None,
+        "backend": {"name": cfg.backend.name, "version": None, "launch_command": None, "endpoint": None,
+                    "reused_server": False, "ready_s": None, "server_log": None},
+        "model": {"name": cfg.model.name, "path": backend.model_path if backend else None},
+        "kv": {"requested": cfg.kv.name, "backend_dtype": cfg.kv.per_backend.get(cfg.backend.name, "?"),
+               "bytes_per_element": backend.spec.kv_bytes_per_element if backend else None},
+        "server": backend.spec.to_json() if backend else None,
+        "kv_cache": {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None},
+        "scenario": {"name": s.name, "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens,
+                     "mode": "open" if s.rates or s.trace else "closed",
+                     "variable_length": bool(backend) and not backend.capabilities.forces_output_length,
+                     "api": s.api},
+        "gpu": {"name": cfg.gpu.name or gi.name, "memory_gib": cfg.gpu.memory_gib or gi.memory_gib,
+                "driver": gi.driver},
+        "environment": environment({"event_loop": type(asyncio.get_event_loop_policy()).__name__}),
+        "config": plain,
+        "config_hash": config_hash(plain),
+        "planner": None,
+        "timing": {},
+        "requests_file": REQUESTS_FILE,
+        "levels": [],
+    }
+
+
+def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
+            pool: Optional[ServerPool] = None) -> dict[str, Any]:
+    """Run one job and return its result (also written to out_dir/result.json after every level).
+
+    With cfg.resume, a result already in out_dir from the same spec keeps its finished levels and only
+    the missing ones are measured; one from another spec is refused (ResultError, nothing written).
+    Whatever ends the job (a dead server, an error, an interrupt), the result says why, with the server
+    log's tail, and a server is kept in `pool` for the next job only after a complete one (no pool:
+    the job's server is stopped when it ends)."""
+    own_pool = pool is None
+    pool = pool or ServerPool()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backend = backends.create(cfg)
+    unsupported = backend.unsupported_reason()  # e.g. fp8 KV on this CPU
+    if unsupported and cfg.unsupported == "skip":
+        return skipped_result(cfg, out_dir, unsupported)
+    if unsupported:
+        raise ConfigError(unsupported)
+    job = Job(cfg, out_dir, new_result(cfg, backend))
+    from kvexp.quality import measure as quality
+
+    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result):
+        return job.result
+    if not cfg.resume:
+        (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
+    res = job.result
+    log_path = out_dir / "server.log"
+    server: Optional[Server] = None
+    # the model's files are read here, once, before any server runs: nothing slow on the event loop
+    # between a server's start and its last level (a pooled connection would go stale meanwhile)
+    arch = _model_arch(backend)
+    if arch is not None:
+        res["model"].update(modelinfo.weights_of(arch))
+    served = getattr(cfg.model, backend.model_field, None)
+    res["model"]["origin"] = embedded.origin(served, backend.model_field == "gguf")
+    reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
+    t0 = time.monotonic()
+    try:
+        if cfg.backend.endpoint:
+            backend.base_url = cfg.backend.endpoint.rstrip("/")
+            res["backend"]["endpoint"] = backend.base_url
+        else:
+            server, reused = pool.acquire(backend, cfg, log_path)
+            backend.base_url = server.base_url
+            res["backend"].update(endpoint=server.base_url, launch_command=server.launch_command,
+                                  env=server.process.env or None, reused_server=reused,
+                                  ready_s=round(server.ready_s, 3),
+                                  server_log=str(server.process.log_path))
+            res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
+        job.save()
+        asyncio.run(_measure(job, backend, server, observer, arch))
+        if quality.wanted(cfg):  # what the KV dtype costs in quality
+            res["quality"] = quality.measure(cfg, res, backend, out_dir)
+        failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
+        res["status"] = "complete" if not failed else "partial"
+        res["status_reason"] = None
+        _learn(res)
+        if failed:
+            res["status_reason"] = f"{len(failed)} level(s) failed: " + "; ".join(
+                lv.get("status_reason") or "" for lv in failed)
+    except BaseException as e:
+        res["status"] = "partial" if isinstance(e, KeyboardInterrupt) else "failed"
+        res["status_reason"] = _reason(e, server, len(res["levels"]))
+        raise
+    finally:
+        if log_path.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
+            res["backend"]["log_tail"] = tail(log_path, 20)
+        res["finished_at"] = utc_now()
+        res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
+        reserve.release()
+        job.save()
+        if server is not None and (own_pool or res["status"] != "complete"):
+            pool.release()
+    return res
+
+
+def _resume(job: Job) -> bool:
+    """Take up the result a previous run of this job left: keep its finished levels (and their lines
+    of requests.jsonl). True when nothing is left to measure (job.result is then that result)."""
+    res = job.result
+    prev = previous_result(job.result_path, res["config_hash"])
+    job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
+    if prev and all(v in job.kept for _, v in job.plan):
+        from kvexp.quality import measure as quality
+
+        if prev["status"] != "complete" and not quality.missing(job.cfg, prev):  # stopped after its last level
+            prev.update(status="complete", status_reason=None)
+            write_json(job.result_path, prev, "result")
+        job.result = prev
+        return True
+    res["levels"] = [lv for _, v in job.plan for lv in job.kept.get(v, [])]
+    if prev:
+        res["started_at"] = prev["started_at"]
+        res["resumed_at"] = [*prev.get("resumed_at", []), utc_now()]
+        log.info("%s: resuming: %d level(s) kept, the others are measured again", res["label"], len(res["levels"]))
+    keep_requests(job.out_dir / REQUESTS_FILE, {(float(level_value(lv)), lv["repeat"]) for lv in res["levels"]})
+    return False
+
+
+def _reason(e: BaseException, server: Optional[Server], measured: int) -> str:
+    """Why a job ended early, in one line."""
+    if isinstance(e, KeyboardInterrupt):
+        return f"interrupted by {e or 'SIGINT'} after {measured} level(s)"
+    gone = server.process.exit_reason() if server else None
+    if gone:
+        return f"{gone} after {measured} level(s); its last lines are in backend.log_tail"
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, OSError) and e.strerror:  # e.g. a full disk while writing a result
+        return f"cannot write {e.filename}: {e.strerror}" if e.filename else f"OS error: {e.strerror}"
+    return text if isinstance(e, (BackendError, ConfigError)) else f"{type(e).__name__}: {text}".rstrip(": ")
+
+
+def _check_alive(server: Optional[Server]) -> None:
+    """Stop measuring as soon as the server process has died (no requests to a dead port)."""
+    gone = server.process.exit_reason() if server else None
+    if gone:
+        raise BackendError(gone)
+
+
+async def _measure(job: Job, backend: Adapter, server: Optional[Server], observer: Optional[Observer],
+                   arch: Optional[ModelArch]) -> None:
+    cfg, res = job.cfg, job.result
+    s = cfg.scenario
+    max_conn = client_connections(s)
+    headers = auth_headers(cfg)
+    async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
+        res["backend"]["version"] = await backend.version(session)
+        t = time.monotonic()
+        if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
+            res["timing"]["model_load_s"] = round(time.monotonic() - t, 3)
+        loaded = await backend.loaded_models(session)
+        if loaded is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
+            res["backend"]["loaded_models"] = loaded
+        log_text = await _server_log(backend, server)
+        kv = await backend.kv_cache(session, log_text)
+        _record_kv(res, kv)
+        job.save()
+        _check_kv(cfg, kv, backend)
+        res["planner"] = _planner_block(backend, res, arch)
+        lg = LoadGenerator(session, backend, observer)
+        maker = await Traffic.create(backend, session, s)
+        res["workload"] = maker.describe()
+        job.save()
+        sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
+        sampler.start()
+        gauges = TelemetrySampler(backend, backend.base_url, headers, cfg.backend.telemetry_interval_s)
+        gauges.start()
+        try:
+            tw = time.monotonic()
+            if s.warmup_requests:
+                warm = (await maker.level(s.warmup_requests, level=0, repeat=0, warmup=True)).requests
+                await lg.closed_loop(warm, min(s.warmup_requests, max(s.concurrency or [1])))
+                write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
+            res["timing"]["warmup_s"] = round(time.monotonic() - tw, 3)
+            tm = time.monotonic()
+            obj = search.objectives(s)
+            searcher = search.Search(obj, search.scenario_grid(s), lambda: res["levels"]) if obj else None
+            for kind, value in searcher or job.plan:
+                if value in job.kept:
+                    continue  # finished by an earlier run of this job (resume)
+                for repeat in range(s.repeats):
+                    _check_alive(server)
+                    summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
+                                               repeat, observer)
+                    job.add_level(summary)
+                    raise_if_hung(summary)
+            _check_alive(server)
+            res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
+            if searcher is not None and searcher.step is not None:
+                res["search"] = search.result_block(searcher.step, obj, searcher.candidates,
+                                                    res["timing"]["measure_s"])
+        finally:
+            sampler.stop()
+            gauges.stop()
+
+
+async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
+    """One direct poll of the server's gauges and counters (a level's preemptions are their difference)."""
+    try:
+        return await backend.poll(session)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        return None
+
+
+async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
+                     maker: Traffic, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
+                     value: float, repeat: int, observer: Optional[Observer]) -> dict[str, Any]:
+    from kvexp.measure.loadgen import ClientOptions, client_environment
+
+    s, client = job.cfg.scenario, job.cfg.client
+    work = await maker.level(s.requests, value, repeat)
+    reqs = work.requests
+    options = ClientOptions(base_url=backend.base_url,
+                            max_connections=client_connections(s),
+                            request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
+                            headers=dict(session.headers) or None, workers=client.workers,
+                            event_loop=client.event_loop)
+    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
+                        [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
+    cache_reset = await _reset_cache(backend, session) if workload.resets_cache(s) else None
+    counters_before = await watch.sample(backend.server_counters(session))
+    before = await watch.sample(_sample(backend, session))
+    sampler.window()
+    gauges.window()
+    if observer:
+        observer.level_started(value, work.size, repeat)
+    hung = None
+    try:
+        if work.conversations:
+            level_run = lg.run_conversations(work.conversations, int(value))
+        elif kind == "concurrency":
+            level_run = lg.run_level(reqs, concurrency=int(value), max_start_rate=s.max_start_rate, options=options)
+        else:
+            offsets = work.offsets_s or arrival_offsets(len(reqs), value, s.arrival, s.seed + repeat)
+            level_run = lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
+                                     max_start_rate=s.max_start_rate, options=options)
+        run = await watch.guard(level_run)
+    except ServerHung as e:
+        hung, run = str(e), hung_level_run(reqs, str(e))
+    records = run.records
+    seen = gauges.window()
+    # a hung server would not answer
+    after = None if hung else await _sample(backend, session)
+    counters_after = None if hung else await backend.server_counters(session)
+    mem = sampler.window()
+    write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for r in records))
+
+    summary = stats.summarize_level(records)
+    level = Level(
+        concurrency=int(value) if kind == "concurrency" else None,
+        rate=value if kind == "rate" else None,
+        repeat=repeat,
+        status="ok",
+        **summary,
+        peak_vram_gib=_gib(mem.device_used_bytes),
+        peak_server_gpu_gib=_gib(mem.server_gpu_bytes),
+        peak_rss_gib=_gib(mem.server_rss_bytes),
+        peak_kv_cache_usage=None if seen.peak_kv_usage is None else round(seen.peak_kv_usage, 4),
+        kv_usage_samples=seen.samples,
+        preemptions=_delta(before, after),
+        max_running=seen.max_running,
+        max_waiting=seen.max_waiting,
+        loop_lag_p99_ms=run.loop_lag_p99_ms,
+        client_workers=run.workers,
+        client_cpu_util=max(run.cpu_util, default=None),
+        goodput_req_s=stats.goodput(records, s.slo_ttft_ms, s.slo_tpot_ms, summary["wall_s"]),
+    )
+    if kind == "rate":
+        level.achieved_rate = stats.start_rate(records)
+        level.scheduled_rate = stats.start_rate(records, scheduled=True)
+    level.server = backend.server_view(records, counters_before, counters_after)
+    level.delivery = stats.delivery(records)
+    level.peak_kv_cache_usage, level.kv_usage_sampled_peak = kv_peak(level.peak_kv_cache_usage, level.preemptions)
+    bursts = bool(level.delivery["bursts"])
+    limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
+    level.client_limited = bool(limits)
+    if hung:
+        level.status, level.status_reason = "failed", hung
+    elif level.requests and level.errors / level.requests > s.max_error_rate:
+        level.status = "failed"
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(level.errors_by_kind.items()))
+        first = next((r.error for r in records if r.error), "")
+        level.status_reason = f"{level.errors}/{level.requests} requests failed ({kinds}); first: {first}"[:500]
+    if repeat == s.repeats - 1 and s.repeats > 1:  # the last repeat sums up the level's repeats (the ok ones)
+        ok = [lv for lv in job.result["levels"]
+              if lv.get(kind) == value and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
+        level.repeats = stats.repeats_of([*ok, level.to_json()] if level.status == "ok" else ok)
+    level.workload = stats.workload_view(records, work.offsets_s is not None)
+    level.prefix_cache = backend.prefix_cache(records, counters_before, counters_after)
+    level.cache_reset = cache_reset
+    level.turns = stats.turn_table(records, [backend.cached_tokens(r) for r in records]) if work.conversations else None
+    done = [r for r in records if r.ok]
+    level.warnings = level_warnings(level, done, backend.capabilities.forces_output_length,
+                                    limits, _predicted_usage(job.result.get("planner"), level.concurrency),
+                                    _caps(s))
+    level.warnings += workload_warnings(
+        workload.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
+        work.size - len(records) if work.conversations and not hung else 0,
+        len(maker.entries) if s.dataset else None, s.requests)
+    env = job.result["environment"]
+    env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
+    out = level.to_json()
+    if observer:
+        observer.level_done(value, out)
+    return out
+
+
+async def _reset_cache(backend: Adapter, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """Empty the server's prefix cache before a level; {done, how} (how: what was done, or why not)."""
+    try:
+        how = await backend.reset_cache(session)
+    except (aiohttp.ClientError, asyncio.TimeoutError, BackendError) as e:
+        return {"done": False, "how": f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
+    return {"done": how is not None, "how": how or f"{backend.name} offers no way to reset its cache"}
+
+
+def _caps(s: Any) -> Optional[str]:
+    """What holds back an open loop's starts by the scenario's own choice (None: nothing)."""
+    caps = [f"max_concurrency={s.max_concurrency}" if s.max_concurrency else "",
+            f"max_start_rate={s.max_start_rate:g}/s" if s.max_start_rate else ""]
+    held = " and ".join(c for c in caps if c)
+    return f"the scenario's {held} held them back" if held else None
+
+
+def _predicted_usage(plan: Optional[dict[str, Any]], concurrency: Optional[int]) -> Optional[float]:
+    """The planner's predicted KV usage at this concurrency, the most it can be where lengths vary (None:
+    no plan or no such level)."""
+    for row in (plan or {}).get("levels") or []:
+        if concurrency is not None and row.get("concurrency") == concurrency:
+            return row.get("predicted_kv_usage_max", row.get("predicted_kv_usage"))
+    return None
+
+
+def _delta(before: Any, after: Any) -> Optional[float]:
+    if before is None or after is None or before.preemptions_total is None or after.preemptions_total is None:
+        return None
+    return after.preemptions_total - before.preemptions_total
+
+
+def _gib(b: Optional[int]) -> Optional[float]:
+    return None if b is None else round(b / GIB, 3)
+
+
+def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
+    res["kv_cache"] = {
+        "dtype": kv.dtype, "blocks": kv.blocks, "block_size": kv.block_size,
+        "gpu_memory_utilization": kv.gpu_memory_utilization, "dtype_k": kv.dtype_k, "dtype_v": kv.dtype_v,
+        "capacity_tokens": kv.capacity_tokens, "bytes": kv.bytes, "max_concurrency": kv.max_concurrency,
+        "seqs": kv.seqs, "rotation_k": kv.rotation_k, "rotation_v": kv.rotation_v, "source": kv.source,
+    }
+
+
+LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
+
+
+async def _server_log(backend: Adapter, server: Optional[Server]) -> str:
+    """The launched server's log once it states its KV cache (its logger may write after the server
+    answers its health probe), or as it is after LOG_WAIT_S; "" for an attached server."""
+    if server is None:
+        return ""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while True:
+        text = server.process.log_path.read_text(errors="replace")
+        if backend.log_states_kv(text) or time.monotonic() > deadline or server.process.exited() is not None:
+            return text
+        await asyncio.sleep(0.05)
+
+
+def _check_kv(cfg: ExperimentConfig, kv: KVCacheInfo, backend: Adapter) -> None:
+    """A server that reports a different KV type (or KV numerics) than the ones asked for fails the job
+    loudly."""
+    if (contradiction := backend.check_kv(kv)) is not None:
+        raise BackendError(contradiction)
+    asked = cfg.kv.per_backend.get(backend.name)
+    if kv.dtype is None:
+        log.warning("%s did not report its KV cache type; kv=%s (%s) is what was asked, not confirmed",
+                    backend.name, cfg.kv.name, asked)
+        return
+    if kv.dtype != asked:
+        raise BackendError(f"the server reports KV cache type {kv.dtype!r} but kv={cfg.kv.name} asked for "
+                           f"{asked!r} on {backend.name}")
+
+
+def _model_arch(backend: Adapter) -> Optional[ModelArch]:
+    """The served model's architecture and weights, from its files (None: they cannot be read)."""
+    try:
+        return prediction.model_arch(backend.cfg, backend.spec)
+    except (ValueError, OSError) as e:
+        log.warning("model files of %s not read: %s", backend.cfg.model.name, e)
+        return None
+
+
+def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch]) -> Optional[dict[str, Any]]:
+    """The planner's prediction for the server that was launched, beside what will be measured
+    (None if it cannot plan)."""
+    from kvexp.planning import calibration
+
+    try:
+        return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
+                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch)
+    except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
+        log.warning("planner: no prediction for %s: %s", res["label"], e)
+        return None
+
+
+def _learn(res: dict[str, Any]) -> None:
+    """Feed a finished job's engine-reported capacity into the calibration file."""
+    from kvexp.planning import calibration
+
+    try:
+        calibration.update([res])
+    except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
+        log.warning("calibration: not updated from %s: %s", res["label"], e)
+
+
+def skipped_result(cfg: ExperimentConfig, out_dir: Path, reason: str) -> dict[str, Any]:
+    """A job that was not run (an unsupported backend/KV pair with unsupported=skip), recorded as such."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = Job(cfg, out_dir, new_result(cfg, None))
+    job.result.update(status="skipped", status_reason=reason, finished_at=utc_now())
+    job.save()
+    return job.result

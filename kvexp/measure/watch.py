@@ -1,0 +1,142 @@
+"""A watch over the whole server while a level runs: a hung server ends the level in seconds.
+
+Each request has its own stall timeout, but a level of 48 requests at concurrency 16 against a server
+that stopped answering (SIGSTOP, a deadlock, a wedged GPU) waits that timeout three times over. The
+watch looks at the server as a whole instead: when no bytes have arrived on any stream for
+`stall_timeout_s` (counted by the load generator's reads in this process, and by the bytes the server
+process tree has written, which also covers requests sent from worker processes) and the health
+probe does not answer either, the server is hung: the level is cut short and ServerHung raised.
+A server that is slow but answers its health probe is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable, Optional, TypeVar
+
+import aiohttp
+import psutil
+
+from kvexp.backends.base import BackendError
+
+T = TypeVar("T")
+CHECK_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 2.0
+CANCEL_WAIT_S = 5.0  # how long the cut-short level may take to unwind
+
+
+class ServerHung(BackendError):
+    """The server stopped answering: no bytes on any stream and no answer to its health probe."""
+
+
+def process_tree_writes(pid: Optional[int]) -> Callable[[], Optional[int]]:
+    """Bytes the process tree of pid has written so far (sockets included: /proc/PID/io wchar)."""
+    def read() -> Optional[int]:
+        if pid is None:
+            return None
+        try:
+            root = psutil.Process(pid)
+            total = 0
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    total += p.io_counters().write_chars
+                except (psutil.Error, AttributeError):
+                    pass
+            return total
+        except psutil.Error:
+            return None
+    return read
+
+
+class ServerWatch:
+    def __init__(self, session: aiohttp.ClientSession, health_path: str, stall_s: float,
+                 activity: list[Callable[[], Any]]):
+        self.session = session
+        self.health_path = health_path
+        self.stall_s = stall_s
+        self.activity = activity  # each returns a value that changes whenever bytes flow
+        self.reason: Optional[str] = None
+        self._seen = self._signature()
+        self._last = time.monotonic()  # the quiet window runs from here, across sample() and guard()
+
+    async def sample(self, probe: Awaitable[T]) -> Optional[T]:
+        """A telemetry read before the level, given PROBE_TIMEOUT_S at most: a hung server must not
+        hold the level back for a whole stall timeout before the watch even starts."""
+        try:
+            return await asyncio.wait_for(probe, PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _answers(self) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            async with self.session.get(self.health_path, timeout=timeout) as resp:
+                await resp.read()
+                return True  # any HTTP answer, even 503 while loading, is a live server
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def _signature(self) -> tuple:
+        out = []
+        for read in self.activity:
+            try:
+                out.append(read())
+            except Exception:  # noqa: BLE001 (a source that fails tells nothing)
+                out.append(None)
+        return tuple(out)
+
+    async def _watch(self) -> None:
+        """Returns once the server is hung (self.reason says how)."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            now_sig = self._signature()
+            if now_sig != self._seen:
+                self._seen, self._last = now_sig, time.monotonic()
+                continue
+            quiet = time.monotonic() - self._last
+            if quiet < self.stall_s:
+                continue
+            if await self._answers():
+                self._last = time.monotonic()  # slow, not hung: a fresh window
+                continue
+            self.reason = (f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
+                           f"{self.stall_s:g}) and {self.health_path} did not answer within {PROBE_TIMEOUT_S:g} s")
+            return
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await work while watching; ServerHung (the work cancelled) when the server hangs first."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(self._watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # an interrupt: neither may outlive this call
+            task.cancel()
+            watcher.cancel()
+            raise
+        if task.done():
+            watcher.cancel()
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+        watcher.result()  # a failure of the watch itself surfaces as itself
+        raise ServerHung(self.reason or "server hung")
+
+
+def hung_level_run(requests: list[tuple[Any, Any]], reason: str) -> Any:
+    """The level a hung server cut short, from the records this process holds: requests that ended
+    keep what they measured, the others are timeouts (sent from worker processes, none came back)."""
+    from kvexp.measure.loadgen import LevelRun, loop_name
+
+    records = [rec for _, rec in requests]
+    for rec in records:
+        if rec.done_s is None or rec.sent_s is None:
+            rec.error_kind, rec.error = "timeout", reason
+    return LevelRun(records=records, workers=1, in_process=True, event_loop=loop_name(), loop_lag_p99_ms=None,
+                    cpu_util=[], cpu_s=0.0)
+
+
+def raise_if_hung(level: dict[str, Any]) -> None:
+    """After a level is saved: a hung server ends the job (the runner then stops the server)."""
+    reason = level.get("status_reason") or ""
+    if level.get("status") == "failed" and reason.startswith("server hung"):
+        raise ServerHung(reason)

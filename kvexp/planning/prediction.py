@@ -1,0 +1,70 @@
+"""The planner's prediction for a job: the architecture from the model's files (modelinfo), the
+fitted overhead from the calibration table, the maths from planner.py, all over the server the adapter
+resolved (so the prediction describes the server that is launched)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from kvexp.capacity import modelinfo, planner
+from kvexp.workload import spec as workload
+from kvexp.backends import adapter_class
+from kvexp.backends.base import ServerSpec
+from kvexp.planning.calibration import lookup_overhead_gib
+from kvexp.core.config import ExperimentConfig
+from kvexp.capacity.planner import ModelArch
+
+
+def scenario_levels(cfg: ExperimentConfig) -> list[int]:
+    """Concurrency levels of the scenario (an open-loop scenario: its max_concurrency cap, if any)."""
+    s = cfg.scenario
+    if s.concurrency:
+        return [int(c) for c in s.concurrency]
+    return [int(s.max_concurrency)] if s.max_concurrency else []
+
+
+def model_arch(cfg: ExperimentConfig, spec: ServerSpec) -> ModelArch:
+    return modelinfo.arch_for(cfg.model, adapter_class(spec.backend).model_field, spec.model_path)
+
+
+def plan_spec(arch: ModelArch, spec: ServerSpec, gpu_gib: Optional[float], *, prompt_tokens: int,
+              max_tokens: int, levels: list[int], calibrated_overhead_gib: Optional[float] = None,
+              shared_prefix_tokens: int = 0, prefix_groups: int = 1) -> dict[str, Any]:
+    """planner.plan_job for the server an adapter resolved: the slots, context, KV dtype, block size
+    and KV budget the planner uses are the ones in the launch argv/env, and `sources` says where the
+    adapter took each from."""
+    out = planner.plan_job(arch, spec.kv_backend_dtype, spec.cache, gpu_gib, prompt_tokens=prompt_tokens,
+                           max_tokens=max_tokens, levels=levels, gpu_memory_utilization=spec.gpu_memory_utilization,
+                           context=spec.context_tokens, parallel=spec.slots, block_size=spec.block_size,
+                           calibrated_overhead_gib=calibrated_overhead_gib, kv_cache_memory_bytes=spec.kv_budget_bytes,
+                           unified_kv=spec.unified_kv, shared_prefix_tokens=shared_prefix_tokens,
+                           prefix_groups=prefix_groups)
+    out["sources"].update(dict(spec.sources))
+    return out
+
+
+def predict(cfg: ExperimentConfig, spec: ServerSpec, *, gpu_name: Optional[str] = None,
+            gpu_gib: Optional[float] = None, calibration: Optional[Mapping[str, Any]] = None,
+            arch: Optional[ModelArch] = None) -> dict[str, Any]:
+    """The planner block for a job (result["planner"]). gpu_name / gpu_gib: measured values that
+    override cfg.gpu; arch: an architecture already resolved (else read from the model's files)."""
+    arch = arch or model_arch(cfg, spec)
+    gpu = gpu_gib if gpu_gib is not None else cfg.gpu.memory_gib
+    cal = lookup_overhead_gib(calibration, spec.backend, gpu_name or cfg.gpu.name,
+                              planner.canonical_kv_dtype(spec.kv_backend_dtype, arch.dtype_bytes))
+    s = cfg.scenario
+
+    def plan(lengths: tuple[float, float]) -> dict[str, Any]:
+        return plan_spec(arch, spec, gpu, prompt_tokens=round(lengths[0]), max_tokens=round(lengths[1]),
+                         levels=scenario_levels(cfg), calibrated_overhead_gib=cal,
+                         shared_prefix_tokens=s.prefix_tokens, prefix_groups=s.prefix_groups)
+
+    mean, longest = workload.mean_lengths(s), workload.longest_request(s)
+    out = plan(mean)
+    if tuple(map(round, mean)) != longest:  # lengths vary: the mean plans, the longest bounds the peak
+        out["sources"]["prompt_tokens"] = f"mean of the {workload.kind(s)} workload's lengths (kvexp/workload/)"
+        for row, top in zip(out["levels"], plan(longest)["levels"]):
+            row["predicted_kv_usage_max"] = top["predicted_kv_usage"]
+    if gpu is not None:
+        out["sources"]["gpu_gib"] = "measured" if gpu_gib is not None else "gpu config"
+    return out

@@ -1,0 +1,211 @@
+"""What-if for other GPUs: how many tokens of KV cache, and how many concurrent requests of a
+scenario, one configuration (model, backend, KV dtype) would get on each GPU of conf/gpu.
+
+A what-if starts from a planner block's `inputs` (every number a prediction was computed from: the
+architecture, the weights, the KV dtype, the scenario's request length, the backend's settings) and
+re-plans them for another GPU's memory with planner.py's formulas:
+
+- paged pools (vLLM): the KV pool the GPU's memory leaves (x utilisation - weights - overhead), in
+  whole blocks, and the whole requests it holds before the scheduler preempts;
+- fixed slots (llama.cpp, Ollama): the most KV cells that fit beside the weights and the overhead
+  (the largest `-c`), and how many slots of one request each (padded as the server pads them) that is,
+  before further requests queue.
+
+The overhead is the reference planner's 1.5 GiB, and beside it the overhead this machine measured
+(calibration.py's fitted table): for that GPU when it was measured there, else the mean of what was
+fitted for the same backend and KV dtype on the GPUs that were measured (the row says which).
+
+A KV budget that is the CPU build's default, and the CPU build's block size, describe this machine,
+not the GPU asked about; they are replaced by the GPU defaults. Budgets and block sizes the user set
+are kept. Pure: gpu_presets() is the only function that reads files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from kvexp.capacity import planner
+from kvexp.capacity.planner import CacheModel, ModelArch
+
+USER_SET = "backend."  # a source that starts with this was set by the user (backend.block_size, ...)
+
+
+@dataclass(frozen=True)
+class GPUPreset:
+    """One GPU of conf/gpu: its file name (the `gpu=` option), NVML's name and memory in GiB."""
+
+    key: str
+    name: Optional[str]
+    memory_gib: Optional[float]
+
+
+def gpu_presets(conf_dir: Optional[Path] = None) -> list[GPUPreset]:
+    """Every conf/gpu preset with a memory size (not `auto`), smallest memory first."""
+    import yaml
+
+    from kvexp.core.paths import data_dir
+
+    folder = (conf_dir or data_dir("conf")) / "gpu"
+    out = []
+    for p in sorted(folder.glob("*.yaml")):
+        y = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        if isinstance(y.get("memory_gib"), (int, float)):
+            out.append(GPUPreset(p.stem, y.get("name"), float(y["memory_gib"])))
+    return sorted(out, key=lambda g: (g.memory_gib, g.key))
+
+
+def parse_gpus(text: str, presets: Iterable[GPUPreset]) -> list[GPUPreset]:
+    """`all` or a comma list of preset keys -> presets; ValueError naming an unknown key."""
+    known = {g.key: g for g in presets}
+    if text.strip().lower() == "all":
+        return list(known.values())
+    out = []
+    for key in (k.strip() for k in text.split(",") if k.strip()):
+        if key not in known:
+            raise ValueError(f"--gpus {key}: no such GPU preset; allowed values are all, {', '.join(sorted(known))}")
+        out.append(known[key])
+    if not out:
+        raise ValueError("--gpus: give `all` or a comma list of GPU presets")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calibration for another GPU (pure)
+
+
+def overhead_for(table: Optional[Mapping[str, Any]], backend: str, gpu_name: Optional[str],
+                 kv_dtype: str, dtype_bytes: Optional[float] = None) -> tuple[Optional[float], Optional[str]]:
+    """(fitted overhead GiB, where it was measured) for a (backend, GPU, KV dtype): the GPU's own fit
+    when there is one, else the mean of the same backend and KV dtype's fits on other GPUs; (None,
+    None) when this machine measured neither."""
+    from kvexp.planning.calibration import _norm, lookup_overhead_gib
+
+    kv = planner.canonical_kv_dtype(kv_dtype, dtype_bytes)
+    own = lookup_overhead_gib(table, backend, gpu_name, kv)
+    if own is not None:
+        return own, gpu_name
+    others = [e for e in (table or {}).get("entries") or []
+              if _norm(e.get("backend")) == _norm(backend) and e.get("kv_dtype") == kv
+              and isinstance(e.get("overhead_gib"), (int, float))]
+    if not others:
+        return None, None
+    return (sum(e["overhead_gib"] for e in others) / len(others),
+            ", ".join(sorted({str(e.get("gpu") or "unknown GPU") for e in others})))
+
+
+# ---------------------------------------------------------------------------------------------------
+# One configuration on one GPU (pure)
+
+
+def _arch(inputs: Mapping[str, Any]) -> ModelArch:
+    return ModelArch(inputs.get("n_layers"), inputs.get("n_kv_heads"), inputs.get("head_dim"),
+                     inputs.get("params_b"), inputs.get("weights_gib"), inputs.get("weight_bits"),
+                     inputs.get("dtype_bytes"), {}, inputs.get("model"))
+
+
+def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu_gib: float,
+         overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool]]:
+    """(KV tokens, concurrent requests before preemption/queueing, the configuration fits)."""
+    arch = _arch(inputs)
+    kv = str(inputs.get("kv_dtype"))
+    prompt, out = int(inputs.get("prompt_tokens") or 0), int(inputs.get("max_tokens") or 0)
+    request = prompt + out
+    if cache.paged:
+        user = lambda key: str(sources.get(key, "")).startswith(USER_SET)  # noqa: E731
+        p = planner.plan_job(
+            arch, kv, cache, gpu_gib, prompt_tokens=prompt, max_tokens=out, levels=[],
+            gpu_memory_utilization=inputs.get("gpu_memory_utilization"),
+            context=inputs.get("context_tokens"), parallel=inputs.get("parallel"),
+            block_size=inputs.get("block_size") if user("block_size") else None, overhead_gib=overhead_gib,
+            kv_cache_memory_bytes=inputs.get("kv_cache_memory_bytes") if user("kv_cache_memory_bytes") else None)
+        return p["capacity_tokens"], p["max_concurrency_before_preemption"], p["fits"]
+    bpt = planner.kv_bytes_per_token(arch.n_layers, arch.n_kv_heads, arch.head_dim,
+                                     planner.kv_bytes_per_element(kv, arch.dtype_bytes))
+    if bpt is None or arch.weights_gib is None or request <= 0:
+        return None, None, None
+    cells = planner.max_context_tokens(gpu_gib, arch.weights_gib, bpt, overhead_gib=overhead_gib)
+    per_request = planner.cells_per_slot(request, 1, cache.cell_pad)
+    conc = cells // per_request
+    return cells, conc, conc > 0
+
+
+def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
+            calibration: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None) -> dict[str, Any]:
+    """One what-if row (JSON-ready; None where unknown): gpu, gpu_name, gpu_gib, backend, model,
+    kv_dtype, request_tokens, paged, limit ("preemption" | "queueing"), kv_tokens, max_concurrent,
+    fits, overhead_gib, and the same three with the calibrated overhead (calibrated_overhead_gib,
+    calibrated_from: the GPU(s) it was measured on, calibrated_kv_tokens, calibrated_max_concurrent)."""
+    backend = backend or str(inputs.get("backend") or cache.name)
+    overhead = inputs.get("overhead_gib")
+    overhead = planner.DEFAULT_OVERHEAD_GIB if overhead is None else float(overhead)
+    row: dict[str, Any] = {
+        "gpu": gpu.key, "gpu_name": gpu.name, "gpu_gib": gpu.memory_gib, "backend": backend,
+        "model": inputs.get("model"), "kv_dtype": inputs.get("kv_dtype"),
+        "request_tokens": (inputs.get("prompt_tokens") or 0) + (inputs.get("max_tokens") or 0),
+        "paged": cache.paged, "limit": "preemption" if cache.paged else "queueing",
+        "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None, "fits": None,
+        "calibrated_overhead_gib": None, "calibrated_from": None, "calibrated_kv_tokens": None,
+        "calibrated_max_concurrent": None,
+    }
+    if gpu.memory_gib is None:
+        return row
+    row["kv_tokens"], row["max_concurrent"], row["fits"] = _fit(inputs, sources, cache, gpu.memory_gib, overhead)
+    cal, where = overhead_for(calibration, backend, gpu.name, str(inputs.get("kv_dtype")), inputs.get("dtype_bytes"))
+    if cal is not None:
+        row["calibrated_overhead_gib"], row["calibrated_from"] = round(cal, 4), where
+        row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _ = _fit(
+            inputs, sources, cache, gpu.memory_gib, cal)
+    return row
+
+
+def from_plan(plan: Mapping[str, Any], cache: CacheModel) -> tuple[dict[str, Any], dict[str, str], CacheModel, str]:
+    """A what-if configuration from a planner block (result["planner"], prediction.predict): its
+    inputs with the block size it used, its sources, the cache model and the backend's name."""
+    inputs = {**(plan.get("inputs") or {}), "block_size": plan.get("block_size")}
+    return inputs, dict(plan.get("sources") or {}), cache, str(inputs.get("backend") or cache.name)
+
+
+def what_if_rows(configs: Iterable[tuple[Mapping[str, Any], Mapping[str, str], CacheModel, str]],
+                 gpus: Iterable[GPUPreset], calibration: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
+    """what_if for every (planner inputs, sources, cache model, backend) x GPU, GPU by GPU."""
+    configs = list(configs)
+    return [what_if(inp, src, cache, g, calibration, backend=b) for g in gpus for inp, src, cache, b in configs]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Formatting (Markdown; the report renders the same rows through its own tables)
+
+
+def _int(x: Any) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def row_cells(r: Mapping[str, Any], scenario: Optional[str] = None) -> list[str]:
+    """The what-if table's cells for one row (HEADERS' order)."""
+    conc = _int(r["max_concurrent"])
+    if r["fits"] is False:
+        conc += " (does not fit)"
+    cal = "-" if r["calibrated_overhead_gib"] is None else f"{r['calibrated_overhead_gib']:.2f} ({r['calibrated_from']})"
+    return [f"{r['gpu_name'] or r['gpu']}", "-" if r["gpu_gib"] is None else f"{r['gpu_gib']:.2f}",
+            str(r["model"]), str(r["backend"]), str(r["kv_dtype"]), scenario or "-",
+            _int(r["request_tokens"]), _int(r["kv_tokens"]), conc, f"{r['limit']} beyond",
+            cal, _int(r["calibrated_kv_tokens"]), _int(r["calibrated_max_concurrent"])]
+
+
+HEADERS = ["GPU", "GiB", "model", "backend", "kv", "scenario", "tokens/request", "KV tokens",
+           "concurrent requests", "then", "cal. overhead GiB (measured on)", "cal. KV tokens",
+           "cal. concurrent"]
+
+
+def markdown_table(rows: list[tuple[Mapping[str, Any], Optional[str]]]) -> str:
+    """A Markdown what-if table from (row, scenario name) pairs, with its legend."""
+    lines = ["| " + " | ".join(HEADERS) + " |",
+             "|" + "|".join(["---"] * 6 + ["---:"] * 3 + ["---"] + ["---:"] * 3) + "|"]
+    lines += ["| " + " | ".join(row_cells(r, s)) + " |" for r, s in rows]
+    legend = ("KV tokens: the KV cache the GPU's memory leaves beside the weights and the overhead (vLLM: the "
+              "block pool at its memory utilisation; llama.cpp/Ollama: the largest context that fits). "
+              "Concurrent requests: whole requests of the scenario held at once before vLLM preempts, or "
+              "slots of one request each before llama.cpp/Ollama queue. cal.: with the overhead this "
+              "machine measured (calibration file).")
+    return "\n".join(lines + ["", legend]) + "\n"

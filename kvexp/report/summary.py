@@ -1,0 +1,308 @@
+"""Markdown summaries: one per job (next to its result.json) and one per sweep, with the repeats of a
+level as mean, 95 % confidence interval and coefficient of variation, and the sweep's time broken
+down into server starts, warm-up, measurement and the rest."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import jinja2
+
+from kvexp.core.config import ConfigError, ExperimentConfig
+from kvexp.analysis.findings import level_value
+from kvexp.report.markdown import md_code, md_escape
+from kvexp.core.paths import data_dir
+from kvexp.results.store import RESULT_FILE, ResultError, collect, load_document, write_json
+from kvexp.metrics.stats import UNSTABLE_CV
+
+COLUMNS = [  # (key, header) in the reference document's order, then kvexp's additions
+    ("concurrency", "concurrency"), ("requests", "requests"), ("errors", "errors"),
+    ("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p95_ms", "TTFT p95 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("itl_p50_ms", "ITL p50 ms"),
+    ("e2e_p50_ms", "E2E p50 ms"), ("peak_vram_gib", "peak VRAM GiB"), ("peak_rss_gib", "server RSS GiB"),
+    ("peak_kv_cache_usage", "peak KV usage"), ("preemptions", "preemptions"),
+    ("mean_prompt_tokens", "mean prompt tok"), ("mean_output_tokens", "mean output tok"), ("wall_s", "wall s"),
+]
+# shown only when some level of the job has them
+OPTIONAL_COLUMNS = [("repeat", "repeat"), ("goodput_req_s", "goodput req/s"),
+                    ("client_queue_p99_ms", "client queue p99 ms"),
+                    ("server.tpot_p50_ms", "server TPOT p50 ms"), ("server.tpot_mean_ms", "server TPOT mean ms"),
+                    ("delivery.tokens_per_chunk", "tokens/chunk")]
+NOT_EXPOSED = {"peak_kv_cache_usage", "preemptions", "peak_vram_gib"}
+REPEAT_COLUMNS = [("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+                  ("tpot_p50_ms", "TPOT p50 ms"), ("itl_p50_ms", "ITL p50 ms"), ("goodput_req_s", "goodput req/s")]
+
+
+def columns_for(levels: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """COLUMNS, then the optional ones some level has (repeat: only when a level was repeated)."""
+    extra = [(k, h) for k, h in OPTIONAL_COLUMNS
+             if any((lv.get(k) or 0) > 0 if k == "repeat" else level_value(lv, k) is not None for lv in levels)]
+    return COLUMNS[:1] + [c for c in extra if c[0] == "repeat"] + COLUMNS[1:] + [c for c in extra if c[0] != "repeat"]
+
+
+def cell(level: dict[str, Any], key: str) -> str:
+    v = level_value(level, key)
+    if key == "concurrency" and v is None and level.get("rate") is not None:
+        achieved = level.get("achieved_rate")
+        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    if key == "repeat" and isinstance(v, int):
+        return str(v + 1)
+    if v is None:
+        return "not exposed" if key in NOT_EXPOSED else "—"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return md_escape(v)
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
+                             autoescape=False, undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters["cell"] = cell
+    env.filters["md"] = lambda v: "—" if v is None else md_escape(v)
+    env.filters["md_code"] = md_code
+    env.filters["rep"] = repeat_cell
+    env.filters["seconds"] = lambda v: "—" if v is None else f"{v:.1f}"
+    env.globals.update(columns_for=columns_for, repeat_columns=REPEAT_COLUMNS, unstable_cv=UNSTABLE_CV)
+    return env
+
+
+def repeat_cell(level: dict[str, Any], key: str) -> str:
+    """A figure over a level's repeats: mean ± 95 % CI (CV), flagged when unstable."""
+    r = (level.get("repeats") or {}).get(key)
+    if not isinstance(r, dict) or r.get("mean") is None:
+        return "—"
+    text = f"{r['mean']:.4g}"
+    if r.get("ci95") is not None:
+        text += f" ± {r['ci95']:.2g}"
+    if r.get("cv") is not None:
+        text += f" (CV {r['cv'] * 100:.1f} %)"
+        if r["cv"] >= UNSTABLE_CV:
+            text += " **unstable**"
+    return text
+
+
+def render_job_summary(result: dict[str, Any]) -> str:
+    return _env().get_template("summary.md.j2").render(r=result, columns=columns_for(result["levels"]))
+
+
+def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:
+    path = out_dir / "summary.md"
+    path.write_text(render_job_summary(result))
+    return path
+
+
+def job_results(sweep_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(sweep_dir.rglob(RESULT_FILE)):
+        try:
+            kind, doc = load_document(path)
+        except ResultError:
+            continue
+        if kind == "result":
+            out.append(doc)
+    return out
+
+
+def _when(stamp: Optional[str]) -> Optional[datetime]:
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ") if stamp else None
+    except ValueError:
+        return None
+
+
+def _server_key(result: dict[str, Any]) -> Optional[tuple]:
+    cmd = result["backend"].get("launch_command")
+    if not cmd:
+        return None
+    return tuple("<port>" if i and cmd[i - 1] == "--port" else a for i, a in enumerate(cmd))
+
+
+def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = None) -> dict[str, Any]:
+    """Where a sweep's time went, from the jobs' own timing (server_start_s, warmup_s, measure_s,
+    total_s): server starts (and for how many distinct server configurations), warm-up, measurement,
+    the rest of the jobs' time, and what the sweep spent outside its jobs. wall_s is the sweep's wall
+    time when known; otherwise it is taken from the jobs' start and finish stamps (whole seconds)."""
+    ran = [r for r in results if r.get("status") != "skipped"]
+    t = [r.get("timing") or {} for r in ran]
+    starts = [x.get("server_start_s") for x in t if x.get("server_start_s")]
+    configs = {k for r in ran if (k := _server_key(r)) is not None}
+    total = {k: sum(x.get(k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
+    slack = 0.0
+    if wall_s is None:  # from stamps in whole seconds: allow for their rounding
+        begun = [w for r in ran if (w := _when(r.get("started_at")))]
+        ended = [w for r in ran if (w := _when(r.get("finished_at")))]
+        wall_s = (max(ended) - min(begun)).total_seconds() if begun and ended else None
+        slack = 2.0
+    jobs_s = total["total_s"]
+    parallel = bool(wall_s and jobs_s > wall_s * 1.05 + slack)
+    out = {
+        "jobs": len(ran), "server_starts": len(starts), "server_configs": len(configs),
+        "server_start_s": total["server_start_s"], "warmup_s": total["warmup_s"], "measure_s": total["measure_s"],
+        "other_in_jobs_s": max(0.0, jobs_s - total["server_start_s"] - total["warmup_s"] - total["measure_s"]),
+        "jobs_s": jobs_s, "wall_s": wall_s, "parallel": parallel,
+        "outside_jobs_s": None if wall_s is None or parallel else max(0.0, wall_s - jobs_s),
+    }
+    return out
+
+
+def timing_line(t: dict[str, Any]) -> str:
+    """The breakdown in one line (for the log at the end of a sweep)."""
+    def s(v: Optional[float]) -> str:
+        return "?" if v is None else f"{v:.1f} s"
+
+    line = (f"{t['jobs']} job(s): {t['server_starts']} server start(s) for {t['server_configs']} distinct server "
+            f"configuration(s) {s(t['server_start_s'])}, warm-up {s(t['warmup_s'])}, measurement {s(t['measure_s'])}, "
+            f"other in jobs {s(t['other_in_jobs_s'])}")
+    if t["parallel"]:
+        return line + f"; jobs ran in parallel: {s(t['jobs_s'])} of job time in {s(t['wall_s'])} wall"
+    return line + f", outside jobs {s(t['outside_jobs_s'])}; sweep wall {s(t['wall_s'])}"
+
+
+def job_statuses(sweep_dir: Path) -> dict[str, str]:
+    """Every job folder of a sweep (one Hydra made: it has .hydra/) and its status; a job that left no
+    result file (its process died) is "missing". Jobs may have run in other processes or machines."""
+    out = {}
+    for d in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+        if not (d / ".hydra").is_dir() and not (d / RESULT_FILE).is_file():
+            continue
+        try:
+            _, doc = load_document(d / RESULT_FILE)
+            out[doc.get("label") or d.name] = doc.get("status") or "missing"
+        except ResultError:
+            out[re.sub(r"^\d+_", "", d.name)] = "missing"  # Hydra's <job number>_<label> folder
+    return out
+
+
+def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list[Path]:
+    """The sweep's aggregate JSON, its Markdown summary and (where available) the full report."""
+    agg = collect([sweep_dir])
+    written = []
+    path = sweep_dir / "sweep.json"
+    write_json(path, agg, "aggregate")
+    written.append(path)
+    path = sweep_dir / "summary.md"
+    timing = sweep_timing(job_results(sweep_dir), wall_s)
+    path.write_text(_env().get_template("sweep.md.j2").render(a=agg, timing=timing))
+    written.append(path)
+    try:
+        from kvexp.report.render import render_report
+    except ImportError:
+        return written
+    written += list(render_report(agg, sweep_dir / "report").values())
+    return written
+
+
+# ---------------------------------------------------------------- the planner's table (`kvexp plan`)
+def _fmt_int(x: Any) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def _fmt_levels(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        u = r["predicted_kv_usage"]
+        tag = "" if u is None else f" {u:.0%}" if u >= 0.1 or u == 0 else f" {u:.1%}"
+        if r["predicts_preemption"]:
+            tag += " preempts"
+        elif r["predicts_queueing"]:
+            tag += " queues"
+        out.append(f"{r['concurrency']}: {tag.strip() or '?'}")
+    return ", ".join(out) or "-"
+
+
+def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
+    """A Markdown table of the plan for each config: bytes/token, capacity, blocks, the largest
+    concurrency before preemption and the predicted KV usage per level, uncalibrated and calibrated.
+
+    Each config's server is resolved by its adapter without launching anything (a program that is
+    not installed is no obstacle to planning); each model's architecture is read once."""
+    from kvexp import backends
+    from kvexp.planning import prediction
+
+    archs: dict[tuple[str, str], Any] = {}
+    lines = [
+        "| model | backend | kv | scenario | bytes/token | capacity tokens | blocks | peak GiB | max conc. | "
+        "levels (KV usage) | cal. overhead GiB | cal. capacity | cal. max conc. | cal. levels |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    notes: list[str] = []
+    for cfg in cfgs:
+        kv_dtype = cfg.kv.per_backend.get(cfg.backend.name)
+        head = f"| {cfg.model.name} | {cfg.backend.name} | {kv_dtype or cfg.kv.name} | {cfg.scenario.name} "
+        if kv_dtype is None:
+            lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 9)
+            continue
+        try:
+            spec = backends.create(cfg, locate=False).spec
+            key = (cfg.model.name, cfg.backend.name)
+            if key not in archs:
+                archs[key] = prediction.model_arch(cfg, spec)
+            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+        except (ConfigError, ValueError) as e:
+            lines.append(head + f"| {e} |" + " |" * 9)
+            continue
+        conc_key = "max_concurrency_before_preemption" if spec.cache.paged else "max_concurrent_requests"
+        max_conc = p[conc_key]
+        c = p["calibrated"]
+        c_conc = None if c is None else c[conc_key]
+        peak = p["predicted_peak_memory_gib"]
+        peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
+        lines.append(
+            head + f"| {_fmt_int(p['kv_bytes_per_token'])} | {_fmt_int(p['capacity_tokens'])} "
+            f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
+            f"| {'-' if c is None else c['overhead_gib']} "
+            f"| {'-' if c is None else _fmt_int(c['capacity_tokens'])} | {_fmt_int(c_conc)} "
+            f"| {'-' if c is None else _fmt_levels(c['levels'])} |")
+        srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
+        inp = p["inputs"]
+        weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
+        note = (f"- {cfg.model.name}/{cfg.backend.name}: GPU {cfg.gpu.name or '?'} "
+                f"{'?' if inp['gpu_gib'] is None else inp['gpu_gib']} GiB, weights {weights} GiB, "
+                f"overhead {inp['overhead_gib']} GiB; sources: {srcs}")
+        if note not in notes:
+            notes.append(note)
+    legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "
+              "(more queue). Levels: concurrency: predicted KV usage.")
+    return "\n".join(lines + ["", legend, ""] + notes) + "\n"
+
+
+def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
+    """The what-if table of `kvexp plan` over several GPUs: for each config (its gpu= preset), the KV
+    tokens and the concurrent requests of its scenario that fit before preemption or queueing,
+    uncalibrated and with the overhead this machine measured (kvexp/planning/whatif.py)."""
+    from kvexp import backends
+    from kvexp.planning import prediction, whatif
+
+    archs: dict[tuple[str, str], Any] = {}
+    rows: list[tuple[dict[str, Any], Optional[str]]] = []
+    problems: list[str] = []
+    for cfg in cfgs:
+        if cfg.kv.per_backend.get(cfg.backend.name) is None:
+            continue  # the plan table above says why
+        try:
+            spec = backends.create(cfg, locate=False).spec
+            key = (cfg.model.name, cfg.backend.name)
+            if key not in archs:
+                archs[key] = prediction.model_arch(cfg, spec)
+            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+        except (ConfigError, ValueError):
+            continue
+        gpu = whatif.GPUPreset(cfg.gpu.name or "auto", cfg.gpu.name, cfg.gpu.memory_gib)
+        inputs, sources, cache, backend = whatif.from_plan(p, spec.cache)
+        row = whatif.what_if(inputs, sources, cache, gpu, calibration, backend=backend)
+        rows.append((row, cfg.scenario.name))
+        if inputs.get("weights_gib") is None:
+            note = f"- {cfg.model.name}/{cfg.backend.name}: weights unknown (set model.weights_gib or the model's file)"
+            if note not in problems:
+                problems.append(note)
+        if gpu.memory_gib is None:
+            note = f"- gpu={gpu.key}: memory unknown (NVML saw no GPU; choose a preset or gpu.memory_gib)"
+            if note not in problems:
+                problems.append(note)
+    rows.sort(key=lambda rs: (rs[0]["gpu_gib"] or 0, rs[0]["model"] or "", rs[0]["backend"], str(rs[0]["kv_dtype"]),
+                              rs[1] or ""))
+    return whatif.markdown_table(rows) + ("\n" + "\n".join(problems) + "\n" if problems else "")

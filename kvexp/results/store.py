@@ -1,0 +1,373 @@
+"""Versioned result files: written atomically after validation, read back with a version check, and
+gathered from any mix of sweep folders, job folders and files into one aggregate. A job folder's
+result can also be taken up again (resume): its finished levels and their requests are kept."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from kvexp.core import __version__
+from kvexp.core import machine
+from kvexp.core.paths import atomic_write
+from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json, read_bounded,
+                            validate_document)
+
+RESULT_FILE = "result.json"
+REQUESTS_FILE = "requests.jsonl"
+
+
+class ResultError(ValueError):
+    """A result file kvexp cannot use; the message is one line naming the file and the field."""
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def spec_of(cfg: Any) -> dict[str, Any]:
+    """A job's resolved config as results record it: what it measures, without where it writes, whether
+    it resumed, or the name of the variable holding an API key (none of these differ between runs of
+    one spec)."""
+    from kvexp.core.config import to_plain
+
+    plain = to_plain(cfg)
+    plain.pop("output_dir", None)
+    plain.pop("resume", None)
+    plain["backend"].pop("api_key_env", None)
+    return plain
+
+
+def spec_hash(cfg: Any) -> str:
+    return config_hash(spec_of(cfg))
+
+
+def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Best-effort facts about where a run happened."""
+    import aiohttp
+
+    env: dict[str, Any] = {
+        "kvexp_version": __version__,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": machine.cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "aiohttp": aiohttp.__version__,
+        "argv": sys.argv[1:],
+    }
+    return {**env, **(extra or {})}
+
+
+def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
+    """Validate, then write atomically (temporary file + rename)."""
+    validate_document(doc, kind, where=str(path))
+    atomic_write(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], kind: str = "request") -> None:
+    """Append rows (validated) to a JSONL file, all or none: when the write fails (a full disk, a quota)
+    the file is cut back to its length before, so it never ends in a cut line and the space the failed
+    write took is free again for the result file that records why."""
+    lines = []
+    for row in rows:
+        validate_document(row, kind, where=str(path))
+        lines.append(json.dumps(row, allow_nan=False))
+    if not lines:
+        return
+    data = ("\n".join(lines) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            os.ftruncate(fd, before)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def load_json(path: Path) -> Any:
+    try:
+        text = read_bounded(Path(path)).decode("utf-8")
+    except FileRefused as e:
+        raise ResultError(str(e)) from None
+    except FileNotFoundError:
+        raise ResultError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ResultError(f"{path}: is a folder, not a result file") from None
+    except OSError as e:
+        raise ResultError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ResultError(f"{path}: not JSON (not UTF-8 text)") from None
+    try:
+        return parse_json(text)
+    except ValueError as e:
+        raise ResultError(f"{path}: not JSON ({e})") from None
+
+
+def json_lines(path: Path) -> list[Any] | None:
+    """A file of one JSON object per line (what `vllm bench serve --append-result` writes), or None when
+    the file is not that."""
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        docs = [json.loads(ln) for ln in lines]
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return docs if len(docs) > 1 and all(isinstance(d, dict) for d in docs) else None
+
+
+def load_any(path: Path) -> tuple[str, Any]:
+    """Any file kvexp reads: ("result" | "aggregate", the checked document), or ("foreign", the parsed
+    JSON) for another tool's result recognised by its shape (kvexp.results.foreign). A file of no known shape is
+    refused with one line saying what was expected."""
+    from kvexp.results import foreign
+
+    try:
+        doc = load_json(path)
+    except ResultError:
+        doc = json_lines(path)
+        if doc is None or foreign.sniff(doc) is None:
+            raise
+    if foreign.sniff(doc) is not None:
+        return "foreign", doc
+    if not foreign.looks_like_kvexp(doc):
+        raise ResultError(f"{path}: unknown shape: {foreign.EXPECTED}")
+    return load_document(path, doc)
+
+
+def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
+    """A result or aggregate file, checked: (kind, document). `doc`: the file already parsed."""
+    doc = load_json(path) if doc is None else doc
+    if not isinstance(doc, dict):
+        raise ResultError(f"{path}: $: expected a JSON object, found {type(doc).__name__}")
+    version = doc.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise ResultError(f"{path}: $.schema_version: {version} is newer than this kvexp understands "
+                          f"({SCHEMA_VERSION}); upgrade kvexp")
+    kind = kind_of(doc)
+    errs = errors_of(doc, kind)
+    if errs:
+        raise ResultError(str(ValidationFailed(str(path), errs)))
+    return kind, doc
+
+
+def level_value(level: dict[str, Any]) -> float:
+    """A level's concurrency (closed loop) or rate (open loop): what requests.jsonl calls `level`."""
+    return level["concurrency"] if level.get("concurrency") is not None else level["rate"]
+
+
+def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
+    """The result already in a job folder, to resume it: None when there is none. Raises ResultError
+    when it cannot be read or comes from a different spec (its levels must not be mixed with new ones)."""
+    if not path.exists():
+        return None
+    kind, doc = load_document(path)
+    if kind != "result":
+        raise ResultError(f"{path}: not a job result, cannot resume from it")
+    if doc["config_hash"] != config_hash:
+        raise ResultError(f"{path.parent}: the spec changed since this job ran (config hash {doc['config_hash']}, "
+                          f"now {config_hash}); resume refuses to mix results: use a new folder or remove this one")
+    return doc
+
+
+def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, list[dict[str, Any]]]:
+    """The levels whose every repeat ended ok, by level value (their entries in repeat order)."""
+    ok: dict[float, dict[int, dict[str, Any]]] = {}
+    for lv in levels:
+        if lv["status"] == "ok":
+            ok.setdefault(level_value(lv), {}).setdefault(lv["repeat"], lv)
+    return {v: [by_rep[r] for r in range(repeats)] for v, by_rep in ok.items()
+            if all(r in by_rep for r in range(repeats))}
+
+
+def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:
+    """Rewrite a requests.jsonl with only the measured requests of the (level, repeat) pairs kept;
+    warm-up lines, other levels' lines and a line cut short by a crash go."""
+    kept = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                key = (float(row["level"]), int(row["repeat"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if not row.get("warmup") and key in keep:
+                kept.append(line + "\n")
+    atomic_write(path, "".join(kept))
+
+
+def find_results(paths: Iterable[Path]) -> list[Path]:
+    """Result files named on the command line, and those in folders: every result.json, and every other
+    JSON file outside kvexp's job folders that another tool wrote (recognised by its shape)."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            found = sorted(p.rglob(RESULT_FILE))
+            found += foreign_files(p, {f.parent for f in found})
+            if not found:
+                raise ResultError(f"{p}: no {RESULT_FILE} found in this folder")
+            out += found
+        elif p.exists():
+            out.append(p)
+        else:
+            raise ResultError(f"{p}: no such file or folder")
+    return out
+
+
+def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
+    """Other tools' result files in a folder tree, outside kvexp's job folders and their reports."""
+    from kvexp.results import foreign
+
+    out = []
+    for f in sorted(folder.rglob("*.json")):
+        if f.name in (RESULT_FILE, "sweep.json", "comparison.json") or any(d in f.parents for d in job_dirs):
+            continue
+        try:
+            doc = load_json(f)
+        except ResultError:
+            doc = json_lines(f)
+        if foreign.sniff(doc) is not None:
+            out.append(f)
+    return out
+
+
+def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
+    """A job result as one run of the aggregate shape."""
+    kv_cache = {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None,
+                **result["kv_cache"]}
+    started = result.get("started_at") or ""
+    return {
+        "label": result["label"],
+        "backend": result["backend"]["name"],
+        "model": result["model"].get("path") or result["model"]["name"],
+        "scenario": result["scenario"]["name"],
+        "prompt_tokens": result["scenario"]["prompt_tokens"],
+        "max_tokens": result["scenario"]["max_tokens"],
+        "started_at": started.replace("T", " ")[:16] + " UTC" if started else None,
+        "gpu": result["gpu"].get("name"),
+        "gpu_gib": result["gpu"].get("memory_gib"),
+        "kv_cache": kv_cache,
+        "levels": result["levels"],
+        "status": result["status"],
+        "status_reason": result.get("status_reason"),
+        "backend_version": result["backend"].get("version"),
+        "launch_command": result["backend"].get("launch_command"),
+        "variable_length": result["scenario"]["variable_length"],
+        "kv_requested": result["kv"]["requested"],
+        "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
+        "numerics": (result.get("server") or {}).get("numerics"),
+        "reused_server": result["backend"]["reused_server"],
+        "planner": result.get("planner"),
+        "quality": result.get("quality"),
+        "workload": result.get("workload"),
+        "source": source,
+        "search": result.get("search"),
+        "slo": slo_of(result),
+    }
+
+
+def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The job's latency objectives ({slo_ttft_ms, slo_tpot_ms, percentile}; None when it set none)."""
+    s = (result.get("config") or {}).get("scenario") or {}
+    if s.get("slo_ttft_ms") is None and s.get("slo_tpot_ms") is None:
+        return None
+    return {"slo_ttft_ms": s.get("slo_ttft_ms"), "slo_tpot_ms": s.get("slo_tpot_ms"),
+            "percentile": s.get("slo_percentile") or "p95"}
+
+
+def collect(paths: Iterable[Path]) -> dict[str, Any]:
+    """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
+    runs: list[dict[str, Any]] = []
+    calibration: list[dict[str, Any]] = []
+    planner = None
+    results: list[dict[str, Any]] = []
+    gpu, gpu_gib, environment_ = None, None, None
+    foreign_levels: list[Any] = []
+    for path in find_results(paths):
+        kind, doc = load_any(path)
+        if kind == "foreign":
+            foreign_levels += _foreign_levels(path, doc)
+        elif kind == "aggregate":
+            runs += doc["runs"]
+            calibration += doc.get("calibration") or []
+            planner = planner or doc.get("planner")
+            gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
+            environment_ = environment_ or doc.get("environment")
+        else:
+            results.append(doc)
+            runs.append(run_of(doc, str(path)))
+            environment_ = environment_ or doc.get("environment")
+            gpu = gpu or doc["gpu"].get("name")
+            gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
+    if foreign_levels:
+        runs += _foreign_runs(foreign_levels, runs)
+    if results:
+        calibration += _calibration_rows(results)
+    agg = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "kvexp.aggregate",
+        "kvexp_version": __version__,
+        "environment": environment_,
+        "gpu": gpu,
+        "gpu_gib": gpu_gib,
+        "run_dates": sorted({r["started_at"] for r in runs if r.get("started_at")}),
+        "runs": runs,
+        "calibration": calibration,
+        "planner": planner,
+    }
+    from kvexp.analysis.recommend import recommendations
+
+    agg["recommendations"] = recommendations(agg)
+    validate_document(agg, "aggregate", where="aggregate")
+    return agg
+
+
+def _calibration_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    try:
+        from kvexp.planning.calibration import calibration_rows
+    except ImportError:
+        return []
+    return calibration_rows(results)
+
+
+def _foreign_levels(path: Path, doc: Any) -> list[Any]:
+    from kvexp.results import foreign
+
+    try:
+        return foreign.levels_of(doc, str(path))
+    except foreign.ForeignFormatError as e:
+        raise ResultError(f"{path}: {e}") from None
+
+
+def _foreign_runs(levels: list[Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Other tools' levels as runs, each joining the scenario of kvexp's runs with the same prompt and
+    output length, with a label no other run has."""
+    from kvexp.results import foreign
+
+    try:
+        new = foreign.runs_of(levels)
+    except foreign.ForeignFormatError as e:
+        raise ResultError(str(e)) from None
+    taken = {r["label"] for r in runs}
+    for r in foreign.join_scenarios(new, runs):
+        label, n = r["label"], 2
+        while r["label"] in taken:
+            r["label"], n = f"{label} ({n})", n + 1
+        taken.add(r["label"])
+    return new

@@ -1,0 +1,257 @@
+"""JSON Schema validation of every file kvexp writes or reads (schema/*.schema.json, draft 2020-12),
+plus what a schema cannot say: every number finite, counts that agree (errors <= requests, a complete
+job has levels), sizes in the planner not negative, and limits on file size and nesting depth, so
+that a hostile or corrupt file is refused with its JSON path instead of read for ever or crashing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from kvexp.core.paths import data_dir
+
+KINDS = ("result", "aggregate", "request")
+SCHEMA_VERSION = 2  # the newest result format this kvexp reads and writes (2: typed warnings, server spec)
+MAX_FILE_BYTES = 256 << 20  # a result or aggregate file (a 100-run sweep's aggregate is a few MB)
+MAX_LINE_BYTES = 16 << 20  # one line of requests.jsonl
+MAX_DEPTH = 32  # nesting of objects and arrays (kvexp's own files nest 6 deep)
+
+
+class FileRefused(ValueError):
+    """A file too large, not a regular file, or nested too deep; the message is one line."""
+
+
+class ValidationFailed(ValueError):
+    def __init__(self, where: str, errors: list[str]):
+        self.errors = errors
+        super().__init__(f"{where}: {errors[0]}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+
+
+@lru_cache(maxsize=None)
+def validator(kind: str) -> Draft202012Validator:
+    schema = json.loads((data_dir("schema") / f"{kind}.schema.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def json_path(error: Any) -> str:
+    out = "$"
+    for p in error.absolute_path:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def _path(parts: tuple) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def structure_errors(doc: Any) -> list[str]:
+    """Nesting deeper than MAX_DEPTH (reported once, at its first path) and every number that is not
+    finite (NaN, Infinity, or a literal like 1e400 that overflows to infinity). Iterative: a deep
+    document cannot exhaust the stack."""
+    out: list[str] = []
+    stack: list[tuple[tuple, Any]] = [((), doc)]
+    while stack:
+        parts, v = stack.pop()
+        if isinstance(v, (dict, list)):
+            if len(parts) >= MAX_DEPTH:
+                return [f"{_path(parts)}: nested deeper than {MAX_DEPTH} levels; not a kvexp file"]
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend(reversed([((*parts, k), x) for k, x in items]))
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append(f"{_path(parts)}: {v} is not a finite number (NaN, Infinity or out of range)")
+    return out
+
+
+def _levels_of(doc: Any, kind: str) -> list[tuple[tuple, dict]]:
+    if kind == "result" and isinstance(doc.get("levels"), list):
+        return [(("levels", i), lv) for i, lv in enumerate(doc["levels"]) if isinstance(lv, dict)]
+    if kind == "aggregate" and isinstance(doc.get("runs"), list):
+        return [(("runs", r, "levels", i), lv) for r, run in enumerate(doc["runs"]) if isinstance(run, dict)
+                and isinstance(run.get("levels"), list) for i, lv in enumerate(run["levels"]) if isinstance(lv, dict)]
+    return []
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def semantic_errors(doc: Any, kind: str) -> list[str]:
+    """Rules across fields: a level's errors never exceed its requests; a complete job has levels;
+    byte sizes in the planner are not negative."""
+    if not isinstance(doc, dict):
+        return []
+    out = []
+    for parts, lv in _levels_of(doc, kind):
+        n, e = lv.get("requests"), lv.get("errors")
+        if _int(n) and _int(e) and e > n:
+            out.append(f"{_path((*parts, 'errors'))}: {e} errors is more than the level's {n} requests")
+        by_kind = lv.get("errors_by_kind")
+        if _int(e) and isinstance(by_kind, dict) and all(_int(x) for x in by_kind.values()) \
+                and sum(by_kind.values()) != e:
+            out.append(f"{_path((*parts, 'errors_by_kind'))}: adds up to {sum(by_kind.values())}, not errors={e}")
+    if kind == "result" and doc.get("status") == "complete" and doc.get("levels") == [] \
+            and not isinstance(doc.get("quality"), dict):
+        out.append("$.levels: a job whose status is complete must have at least one level (or, for a quality "
+                   "scenario, a quality block)")
+    if kind == "request":
+        for a, b in (("sent_s", "done_s"), ("sent_s", "first_token_s")):
+            x, y = doc.get(a), doc.get(b)
+            if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y < x:
+                out.append(f"$.{b}: {y} is before $.{a} {x}")
+    planner = doc.get("planner")
+    stack: list[tuple[tuple, Any, bool]] = [(("planner",), planner, False)] if isinstance(planner, dict) else []
+    while stack:
+        parts, v, sized = stack.pop()
+        if isinstance(v, dict) and len(parts) < MAX_DEPTH:
+            stack.extend(((*parts, k), x, sized or "bytes" in str(k)) for k, x in v.items())
+        elif isinstance(v, list) and len(parts) < MAX_DEPTH:
+            stack.extend(((*parts, i), x, sized) for i, x in enumerate(v))
+        elif sized and isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            out.append(f"{_path(parts)}: {v} is negative; a size in bytes must be >= 0")
+    return sorted(out)
+
+
+def errors_of(doc: Any, kind: str) -> list[str]:
+    """Every violation as 'JSON-path: message': structure (depth, finite numbers) first, then the
+    schema's, in document order, then the rules across fields."""
+    structure = structure_errors(doc)
+    if any("nested deeper" in m for m in structure):
+        return structure  # the schema validator recurses: never hand it a document this deep
+    errs = sorted(validator(kind).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    return structure + [f"{json_path(e)}: {e.message}" for e in errs] + semantic_errors(doc, kind)
+
+
+def read_bounded(path: Path, limit: int | None = None) -> bytes:
+    """A regular file's bytes, at most `limit`: FileRefused for a device, FIFO or folder (`/dev/zero`
+    would be read for ever) or a larger file; OSError as the system raises it."""
+    limit = MAX_FILE_BYTES if limit is None else limit
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise FileRefused(f"{path}: not a regular file (a device, FIFO or socket); not a kvexp file")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FileRefused(f"{path}: larger than {limit >> 20} MiB; not a kvexp file")
+    return data
+
+
+def parse_json(text: str | bytes) -> Any:
+    """json.loads, with a nesting too deep for the decoder as a ValueError (not a RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested too deeply to decode (kvexp files nest at most {MAX_DEPTH} levels)") from None
+
+
+def kind_of(doc: Any) -> str:
+    if isinstance(doc, dict):
+        if doc.get("kind") == "kvexp.job" or ("levels" in doc and "runs" not in doc):
+            return "result"
+        if "runs" in doc:
+            return "aggregate"
+        if "token_times_s" in doc:
+            return "request"
+    return "result"
+
+
+def validate_document(doc: Any, kind: str | None = None, where: str = "document") -> None:
+    errs = errors_of(doc, kind or kind_of(doc))
+    if errs:
+        raise ValidationFailed(where, errs)
+
+
+def check_file(path: Path) -> list[str]:
+    """Violations of one file (JSON or JSONL), each 'FILE: JSON-path: message'."""
+    if path.suffix == ".jsonl":
+        return _check_jsonl(path)
+    try:
+        data = read_bounded(path)
+        text = data.decode("utf-8")
+    except FileRefused as e:
+        return [str(e)]
+    except OSError as e:
+        return [f"{path}: cannot read: {e.strerror}"]
+    except UnicodeDecodeError:
+        return [f"{path}: not JSON (not UTF-8 text)"]
+    from kvexp.results import foreign
+
+    try:
+        doc = parse_json(text)
+    except ValueError as e:
+        doc = _json_lines(text)
+        if foreign.sniff(doc) is None:
+            return [f"{path}: not JSON: {e}"]
+    deep = [m for m in structure_errors(doc) if "nested deeper" in m]
+    if deep:  # refused whatever its shape claims to be
+        return [f"{path}: {deep[0]}"]
+    if foreign.sniff(doc) is not None:
+        return [f"{path}: {m}" for m in foreign_errors(doc, str(path))]
+    if not foreign.looks_like_kvexp(doc):
+        return [f"{path}: unknown shape: {foreign.EXPECTED}"]
+    kind = kind_of(doc)
+    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        return [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
+                f"({SCHEMA_VERSION}); upgrade kvexp"]
+    return [f"{path}: {m}" for m in errors_of(doc, kind)]
+
+
+def _json_lines(text: str) -> Any:
+    """One JSON object per line (`vllm bench serve --append-result`), else None."""
+    try:
+        docs = [parse_json(ln) for ln in text.splitlines() if ln.strip()]
+    except ValueError:
+        return None
+    return docs if len(docs) > 1 else None
+
+
+def foreign_errors(doc: Any, source: str) -> list[str]:
+    """Why another tool's file cannot be mapped to kvexp's levels, or its mapping breaks the aggregate
+    schema; [] when it maps cleanly."""
+    from kvexp.results import foreign
+
+    try:
+        runs = foreign.runs_of(foreign.levels_of(doc, source))
+    except foreign.ForeignFormatError as e:
+        return [str(e)]
+    return errors_of({"gpu": None, "gpu_gib": None, "runs": runs}, "aggregate")
+
+
+def _check_jsonl(path: Path) -> list[str]:
+    """Line by line, each at most MAX_LINE_BYTES: a file of any length is read in bounded memory."""
+    out: list[str] = []
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return [f"{path}: not a regular file (a device, FIFO or socket); not a kvexp file"]
+        with open(path, "rb") as f:
+            n = 0
+            while True:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                n += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    return out + [f"{path}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB; not a kvexp file"]
+                if not raw.strip():
+                    continue
+                try:
+                    doc = parse_json(raw.decode("utf-8"))
+                except (ValueError, UnicodeDecodeError) as e:
+                    cut = not raw.endswith(b"\n")
+                    out.append(f"{path}:{n}: not JSON: {e}" + (" (the last line, cut short)" if cut else ""))
+                    continue
+                out += [f"{path}:{n}: {m}" for m in errors_of(doc, "request")]
+    except OSError as e:
+        return [f"{path}: cannot read: {e.strerror}"]
+    return out
