@@ -20,6 +20,7 @@ from kvexp.analysis import noise
 from kvexp.metrics.levels import MAX_CV, MIN_REQUESTS, SPREAD_RATIO
 from kvexp.metrics.levels import WARNING_CODES as LEVEL_WARNING_CODES
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, kv_bytes_per_token
+from kvexp.metrics.registry import format_value
 
 # Thresholds for "throughput stopped growing" (those for unstable levels live in levels.py).
 SATURATION_TPUT_GROWTH = 0.10  # throughput grows less than this between two levels ...
@@ -209,49 +210,6 @@ def scenarios(aggregate: dict) -> list[tuple[str, list[dict]]]:
     for run in aggregate.get("runs") or []:
         groups.setdefault(str(run.get("scenario") or "unnamed"), []).append(run)
     return list(groups.items())
-
-
-# ----------------------------------------------------------------------------------------------
-# Number formats (one place for tables, sentences and CSV-adjacent text)
-
-_INT_KEYS = {"concurrency", "requests", "errors", "blocks", "block_size", "capacity_tokens", "repeat",
-             "prompt_tokens", "max_tokens", "predicted_tokens", "actual_tokens", "calibrated_tokens",
-             "output_tokens", "max_running", "max_waiting", "kv_usage_samples", "n", "kv_bytes_per_token",
-             "tokens"}
-_PCT_KEYS = {"peak_kv_cache_usage", "cv", "predicted_kv_usage", "gpu_memory_utilization", "multi_token_chunk_share",
-             "hit_rate"}
-
-
-def format_value(key: str, v: Any) -> str:
-    """One value as the report shows it; None is "—". Percent keys are shown as percent numbers."""
-    key = key.rpartition(".")[2]  # a nested level figure formats like its own name
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if key == "throughput_ci95":
-        if isinstance(v, (list, tuple)) and len(v) == 2 and all(is_num(x) for x in v):
-            return f"{v[0]:.1f}–{v[1]:.1f}"
-        return f"±{v:.1f}" if is_num(v) else str(v)
-    if key == "repeats":
-        if isinstance(v, dict):
-            v = v.get("n") if v.get("n") is not None else (v.get("throughput_tok_s") or {}).get("n")
-        return "—" if v is None else str(len(v)) if isinstance(v, (list, tuple)) else format_value("n", v)
-    if key == "warnings" and isinstance(v, (list, tuple)):
-        return "; ".join(str(w.get("text") if isinstance(w, dict) else w) for w in v)
-    if not is_num(v):
-        return str(v)
-    if key in _PCT_KEYS:
-        return f"{v * 100:.1f}"
-    if key in _INT_KEYS or key == "preemptions":
-        return str(int(v)) if float(v).is_integer() else f"{v:.1f}"
-    if key.startswith(("tpot_", "itl_")):
-        return f"{v:.2f}"
-    if key.endswith("_gib") or key in ("rate", "achieved_rate", "request_rate", "goodput_req_s"):
-        return f"{v:.2f}"
-    if key.endswith(("_ms", "_tok_s", "_s", "_tokens", "_pct")):
-        return f"{v:.1f}"
-    return f"{v:.4g}"
 
 
 def _pct_change(new: float, old: float) -> Optional[float]:

@@ -17,19 +17,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvexp.metrics import registry
 from kvexp.metrics.stats import repeat_summary
 
 MIN_EFFECT = 0.05  # the smallest relative difference called a difference without repeats
 Z95 = 1.96
 Z_P95 = 1.645  # a normal distribution's p95 lies 1.645 sd above its median
-
-# The latency whose per-request spread stands for a figure's dispersion within one level.
-_SPREAD_OF = {"throughput_tok_s": "tpot", "request_rate": "tpot", "goodput_req_s": "tpot",
-              "ttft_p50_ms": "ttft", "ttft_p95_ms": "ttft", "ttft_p99_ms": "ttft",
-              "tpot_p50_ms": "tpot", "tpot_p95_ms": "tpot"}
-UNITS = {"throughput_tok_s": "tok/s", "ttft_p50_ms": "ms", "ttft_p95_ms": "ms", "ttft_p99_ms": "ms",
-         "tpot_p50_ms": "ms", "request_rate": "req/s", "goodput_req_s": "req/s"}
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -54,7 +47,7 @@ class Verdict:
     @property
     def reason(self) -> str:
         """Why, in words: which noise the difference was held against."""
-        unit = UNITS.get(self.metric, "")
+        unit = registry.metric(self.metric).unit
         if self.basis == "repeats":
             ci = f"{self.a:.1f} ± {self.ci_a:.1f} vs {self.b:.1f} ± {self.ci_b:.1f} {unit}".rstrip()
             return f"the repeats' 95 % CIs {'do not overlap' if self.measurable else 'overlap'}: {ci}"
@@ -95,7 +88,7 @@ def repeat_values(run: dict, level: dict, metric: str) -> list[float]:
 
 def relative_se(level: dict, metric: str) -> Optional[float]:
     """The level's own relative standard error for a figure, from its latency spread (None: unknown)."""
-    kind = _SPREAD_OF.get(metric)
+    kind = registry.metric(metric).spread
     p50, p95, n = level.get(f"{kind}_p50_ms"), level.get(f"{kind}_p95_ms"), level.get("requests")
     if not kind or not (_is_num(p50) and _is_num(p95) and _is_num(n)) or p50 <= 0 or n < 1:
         return None

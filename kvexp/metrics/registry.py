@@ -182,3 +182,38 @@ def missing_text(key: str, *, level_failed: bool, exposed_elsewhere: bool, forei
     if m is None or not m.exposure or level_failed or exposed_elsewhere:
         return UNKNOWN
     return NOT_RECORDED if foreign else NOT_EXPOSED
+
+
+# Figures that are not a level's (the planner's, a model's, quality's), written by the same formats.
+# Keys not listed follow their unit suffix (STYLE: units in names): _ms, _tok_s, _s, _tokens, _pct one
+# decimal; _gib two; anything else four significant digits.
+FORMATS: dict[str, Fmt] = {
+    **{k: Fmt.int for k in ("blocks", "block_size", "capacity_tokens", "prompt_tokens", "max_tokens",
+                            "predicted_tokens", "actual_tokens", "calibrated_tokens", "n", "kv_bytes_per_token",
+                            "tokens")},
+    **{k: Fmt.pct for k in ("predicted_kv_usage", "gpu_memory_utilization", "hit_rate", "multi_token_chunk_share")},
+    "tokens_per_chunk": Fmt.sig,
+}
+
+
+def format_value(key: str, v: Any) -> str:
+    """One value as tables and sentences write it (None: "—"); a dotted key that is not registered
+    formats like its last part."""
+    if key == "throughput_ci95" and isinstance(v, (list, tuple)):
+        return f"{v[0]:.1f}–{v[1]:.1f}" if len(v) == 2 and all(is_num(x) for x in v) else str(v)
+    if key == "throughput_ci95" and is_num(v):
+        return f"±{v:.1f}"
+    if key == "warnings" and isinstance(v, (list, tuple)):
+        return "; ".join(str(w.get("text") if isinstance(w, dict) else w) for w in v)
+    if key in METRICS:
+        return METRICS[key].format(v)
+    name = key.rpartition(".")[2]
+    if name in METRICS:
+        return METRICS[name].format(v)
+    if name in FORMATS:
+        return format_as(FORMATS[name], v)
+    if name.endswith("_gib"):
+        return format_as(Fmt.fine, v)
+    if name.endswith(("_ms", "_tok_s", "_s", "_tokens", "_pct")):
+        return format_as(Fmt.coarse, v)
+    return format_as(Fmt.sig, v)

@@ -43,6 +43,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from kvexp.metrics import registry
+
 MS = 1000.0
 GIB = float(1 << 30)
 
@@ -248,8 +250,7 @@ def repeat_summary(values: Iterable[Optional[float]]) -> Optional[dict[str, Opti
 
 
 UNSTABLE_CV = 0.10
-REPEAT_FIGURES = ("throughput_tok_s", "request_rate", "goodput_req_s", "ttft_p50_ms", "ttft_p99_ms",
-                  "tpot_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+REPEAT_FIGURES = registry.REPEATED
 
 
 def repeats_of(levels: Sequence[dict[str, Any]]) -> dict[str, dict[str, Optional[float]]]:
