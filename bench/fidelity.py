@@ -335,7 +335,9 @@ async def run_kvexp(url: str, c: int, n: int, max_tokens: int, workers: int, eve
     """kvexp's load generator as the runner drives it: LoadGenerator.run_level, in this process or
     over worker processes (started by the warm-up level, then kept, as in a job)."""
     from kvexp.backends.base import Request
-    from kvexp.measure.loadgen import ClientOptions, LoadGenerator, RequestRecord, make_session
+    from kvexp.measure.client import ClientOptions, make_session
+    from kvexp.measure.loadgen import LoadGenerator
+    from kvexp.metrics.records import RequestRecord
 
     def reqs(ids: list[int]) -> list[Any]:
         return [(Request("/v1/completions", _body(max_tokens, rid)), RequestRecord(index=rid, level=c)) for rid in ids]

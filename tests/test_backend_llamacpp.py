@@ -14,7 +14,9 @@ from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
 from kvexp.backends.openai import parse_sse_line
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.app.cli import compose
-from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.measure.client import make_session
+from kvexp.measure.loadgen import LoadGenerator
+from kvexp.metrics.records import RequestRecord
 from kvexp.workload.prompts import exact_text, token_pool, token_prompts
 
 FX = Path(__file__).parent / "fixtures" / "llamacpp"

@@ -22,7 +22,9 @@ from kvexp.backends.ollama import Ollama, parse_ndjson_line, parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.backends.ollama import OllamaConfig
 from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
-from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.measure.client import make_session
+from kvexp.measure.loadgen import LoadGenerator
+from kvexp.metrics.records import RequestRecord
 from kvexp.workload.prompts import estimated_text
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -29,7 +29,9 @@ from kvexp.backends.vllm import (
 )
 from kvexp.app.cli import compose
 from kvexp.core.config import ExperimentConfig
-from kvexp.measure.loadgen import LoadGenerator, RequestRecord, make_session
+from kvexp.measure.client import make_session
+from kvexp.measure.loadgen import LoadGenerator
+from kvexp.metrics.records import RequestRecord
 from kvexp.metrics.levels import kv_peak
 from kvexp.measure.telemetry import TelemetrySampler
 

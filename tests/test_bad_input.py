@@ -15,7 +15,7 @@ import pytest
 from conftest import with_tiny, TINY
 
 from kvexp.app.cli import compose, main, safe_name
-from kvexp.measure.loadgen import RequestRecord
+from kvexp.metrics.records import RequestRecord
 from kvexp.measure.runner import skipped_result
 
 LEVEL = {"concurrency": 1, "requests": 8, "errors": 0, "throughput_tok_s": 10.0, "ttft_p50_ms": 1.0,

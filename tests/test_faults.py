@@ -367,7 +367,7 @@ def test_markdown_outputs_escape_user_strings(fake, tmp_path):
 def test_chart_svg_has_nothing_for_weasyprint_to_ignore(reference_path, tmp_path, caplog, capfd):
     from kvexp.report.charts import presentation_attributes
     from kvexp.report.render import render_report
-    from kvexp.results.store import collect
+    from kvexp.analysis.aggregate import collect
 
     assert presentation_attributes('<path d="M0" style="fill: none; stroke: #1f77b4"/>') == \
         '<path d="M0" fill="none" stroke="#1f77b4"/>'

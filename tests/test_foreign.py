@@ -11,9 +11,10 @@ import pytest
 
 from kvexp.results import foreign
 from kvexp.app.cli import main
-from kvexp.analysis.findings import format_value
+from kvexp.metrics.registry import format_value
 from kvexp.report.render import render_report
-from kvexp.results.store import ResultError, collect, load_any
+from kvexp.analysis.aggregate import collect
+from kvexp.results.store import ResultError, load_any
 
 FIX = Path(__file__).parent / "fixtures" / "foreign"
 VLLM_FILES = sorted((FIX / "vllm").glob("*.json"))

@@ -15,13 +15,15 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from kvexp.measure import loadgen
 from kvexp.core import machine
 from kvexp.metrics import stats
 from kvexp.backends import openai
 from kvexp.backends.base import Request
-from kvexp.measure.loadgen import (ClientOptions, LoadGenerator, LoopLagMonitor, RequestRecord, arrival_offsets,
-                           make_session, resolve_workers, split_closed)
+from kvexp.measure.client import ClientOptions, make_session
+from kvexp.measure.eventloop import LoopLagMonitor
+from kvexp.measure.loadgen import LoadGenerator, arrival_offsets
+from kvexp.measure.workers import resolve_workers, runs_in_process, split_closed
+from kvexp.metrics.records import RequestRecord
 
 FX = Path(__file__).parent / "fixtures"
 
@@ -244,11 +246,11 @@ def test_auto_workers(monkeypatch):
     monkeypatch.setattr(machine, "usable_cpus", lambda: 16)
     assert resolve_workers("auto", 64) == 1 and resolve_workers("auto", 65) == 2
     assert resolve_workers("auto", 10_000) == 14  # two cores left: the server's CPU side and the job's process
-    assert not loadgen.runs_in_process("auto", 1, "auto")  # cores to spare: a measuring process of its own
-    assert loadgen.runs_in_process(1, 1, "auto") and not loadgen.runs_in_process(1, 1, "uvloop")
+    assert not runs_in_process("auto", 1, "auto")  # cores to spare: a measuring process of its own
+    assert runs_in_process(1, 1, "auto") and not runs_in_process(1, 1, "uvloop")
     monkeypatch.setattr(machine, "usable_cpus", lambda: 2)
-    assert resolve_workers("auto", 1024) == 1 and loadgen.runs_in_process("auto", 1, "auto")
-    assert resolve_workers(3, 1) == 3 and not loadgen.runs_in_process(3, 3, "auto")
+    assert resolve_workers("auto", 1024) == 1 and runs_in_process("auto", 1, "auto")
+    assert resolve_workers(3, 1) == 3 and not runs_in_process(3, 3, "auto")
 
 
 class Counting:

@@ -86,7 +86,7 @@ def test_findings_say_which():
 @pytest.fixture(scope="module")
 def twice(llama_server, tmp_path_factory):
     from kvexp.app.cli import compose
-    from kvexp.results.store import collect
+    from kvexp.analysis.aggregate import collect
     from kvexp.backends.pool import ServerPool
     from kvexp.measure.runner import run_job
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvexp.assets import evaltext
-from kvexp.quality import measure as quality
+from kvexp.quality import continuations, perplexity, prompt_logprobs
 from kvexp.quality import stats as qs
 
 from conftest import FIXTURES, TINY
@@ -91,7 +91,7 @@ def test_the_shipped_text_is_the_generators_output():
 
 def test_parse_llama_perplexity_kld_output():
     text = (FIXTURES / "llama_perplexity_kld_q4_0.txt").read_text()
-    f = quality.parse_kld_output(text)
+    f = perplexity.parse_kld_output(text)
     assert f["chunks"] == 4 and f["positions"] == 4 * 255
     # the recorded run's own figures (q4_0 KV on the tiny quality GGUF, depth 512)
     assert (f["kld_mean"], f["kld_median"], f["kld_p99"], f["kld_max"]) == (0.056485, 0.035086, 0.295212, 0.469843)
@@ -102,14 +102,14 @@ def test_parse_llama_perplexity_kld_output():
 
 
 def test_parse_llama_perplexity_base_run_and_a_text_too_short():
-    f = quality.parse_ppl_output((FIXTURES / "llama_perplexity_base.txt").read_text())
+    f = perplexity.parse_ppl_output((FIXTURES / "llama_perplexity_base.txt").read_text())
     assert f["ppl"] is not None and f["chunks"] == 4
-    short = quality.parse_ppl_output("perplexity: you need at least 8192 tokens to evaluate perplexity with a "
+    short = perplexity.parse_ppl_output("perplexity: you need at least 8192 tokens to evaluate perplexity with a "
                                      "context of 4096\nperplexity: the data file you provided tokenizes to only "
                                      "5000 tokens\n")
     assert short["ppl"] is None and short["text_tokens"] == 5000
     # fewer than 100 scored positions: no statistics are printed, every figure is None, never 0
-    few = quality.parse_kld_output("kl_divergence: computing over 1 chunks, n_ctx=64, batch_size=64, n_seq=1\n")
+    few = perplexity.parse_kld_output("kl_divergence: computing over 1 chunks, n_ctx=64, batch_size=64, n_seq=1\n")
     assert few["chunks"] == 1 and few["positions"] == 31
     assert all(few[k] is None for k in ("kld_mean", "kld_p99", "top1_agreement", "ppl", "ppl_base"))
 
@@ -124,18 +124,18 @@ def test_parse_api_answers():
     assert toks == [3, 4] and tops == [{3: -0.2, 9: -1.9}, None]
     chars, tops = _adapter("ollama").parse_continuation({"response": "ab"})
     assert chars == ["a", "b"] and tops == [None, None]
-    plp = quality.parse_prompt_logprobs({"choices": [{"prompt_logprobs": [
+    plp = prompt_logprobs.parse_prompt_logprobs({"choices": [{"prompt_logprobs": [
         None, {"12": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}}]}]})
     assert plp == [None, {12: -0.5}]
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        quality.parse_prompt_logprobs({"choices": [{}]})
+        prompt_logprobs.parse_prompt_logprobs({"choices": [{}]})
 
 
 def test_prompt_offsets_are_seeded_and_fit():
-    a = quality.prompt_offsets(1000, 64, 8, seed=3)
-    assert a == quality.prompt_offsets(1000, 64, 8, seed=3) != quality.prompt_offsets(1000, 64, 8, seed=4)
+    a = continuations.prompt_offsets(1000, 64, 8, seed=3)
+    assert a == continuations.prompt_offsets(1000, 64, 8, seed=3) != continuations.prompt_offsets(1000, 64, 8, seed=4)
     assert len(set(a)) == 8 and all(0 <= o <= 1000 - 64 for o in a)
-    assert quality.prompt_offsets(50, 64, 8, seed=3) == []
+    assert continuations.prompt_offsets(50, 64, 8, seed=3) == []
 
 
 def _adapter(name: str):

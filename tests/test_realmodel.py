@@ -29,7 +29,7 @@ from kvexp.app.cli import compose
 from kvexp.app.checks import check_config
 from kvexp.core.config import ConfigError
 from kvexp.assets.install import find_llama_perplexity, vllm_python
-from kvexp.measure.loadgen import make_session
+from kvexp.measure.client import make_session
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 from kvexp.results.validate import check_file
@@ -230,7 +230,7 @@ def depth512(r: dict) -> dict:
 def test_quality_drift_equals_llama_perplexity_run_by_hand(quality, llama_server, smollm2):
     cwd, jobs = quality
     ppl = find_llama_perplexity(llama_server)
-    text = ROOT / "kvexp" / "evaltext.txt"
+    text = ROOT / "kvexp" / "assets" / "evaltext.txt"
     base = cwd / "hand.kld"
     threads = str(max(1, (os.cpu_count() or 2) - 1))
     same = ["-m", str(smollm2), "-f", str(text), "-c", "512", "--chunks", "4", "-fa", "on", "-t", threads]

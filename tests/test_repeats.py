@@ -12,7 +12,7 @@ from conftest import TINY
 
 from kvexp.metrics import stats
 from kvexp.app.cli import compose
-from kvexp.results.store import collect
+from kvexp.analysis.aggregate import collect
 from kvexp.metrics.levels import Level, level_warnings
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job

@@ -14,9 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from kvexp.analysis import documents as D
+from kvexp.analysis import flags as FL
+from kvexp.analysis import runplan as RP
 from kvexp.analysis import findings as F
+from kvexp.report import charts as C
 from kvexp.report import pdf
 from kvexp.report import render as R
+from kvexp.report import tables as T
+from kvexp.report.markdown import md_escape
+from kvexp.report.setup_view import default_title
+from kvexp.report.templating import ReportError, templates_dir
 
 PDFTOPPM = shutil.which("pdftoppm") or ("/usr/bin/pdftoppm" if Path("/usr/bin/pdftoppm").is_file() else None)
 
@@ -201,7 +209,7 @@ def _decimals(cell: str) -> int:
 
 def test_markdown_level_tables_trace_to_the_input(rendered, reference):
     out, _ = rendered
-    by_header = {c.header: c.key for c in R.LEVEL_COLUMNS}
+    by_header = {T.header(k): k for k in T.LEVEL_COLUMNS}
     runs = {r["label"]: r for r in reference["runs"]}
     tables = [(h, rows) for h, rows in md_tables((out / "report.md").read_text()) if h[:2] == ["Run", "KV"]]
     assert len(tables) == 2  # one per scenario
@@ -216,9 +224,9 @@ def test_markdown_level_tables_trace_to_the_input(rendered, reference):
                 if key is None:
                     continue
                 value = level[key]
-                assert cell == R.level_cell(run, level, key), (run["label"], key)
+                assert cell == T.level_cell(run, level, key), (run["label"], key)
                 if value is None:
-                    assert run["backend"] in ("llamacpp", "ollama") and key in F.EXPOSURE_KEYS
+                    assert run["backend"] in ("llamacpp", "ollama") and key in D.EXPOSURE_KEYS
                     assert cell == "not exposed"
                     continue
                 scale = 100 if key == "peak_kv_cache_usage" else 1
@@ -272,8 +280,8 @@ def test_reference_findings_in_the_report(rendered):
 
 
 def test_reference_warnings(reference):
-    warns = F.level_warnings(reference)
-    assert {w.kind for w in warns} == {"spread"}
+    warns = FL.level_warnings(reference)
+    assert {w.tag for w in warns} == {"spread"}
     assert {(w.label, reference["runs"][w.run_index]["levels"][w.level_index]["concurrency"]) for w in warns} == {
         ("vllm-fp16kv-long", 32), ("vllm-fp16kv-long", 48), ("vllm-fp8kv-long", 32), ("vllm-fp8kv-long", 48)}
 
@@ -341,15 +349,15 @@ def test_extended_findings_and_warnings():
     assert var.runs == ("ollama-q8",) and not var.numbers["assumed"] and "97.5" in var.sentence
     flat = next(f for f in found if f.kind == "no_growth")
     assert flat.runs == ("ollama-q8",)
-    warns = F.level_warnings(agg)
-    codes = {(w.label, w.code) for w in warns}
+    warns = FL.level_warnings(agg)
+    codes = {(w.label, w.tag) for w in warns}
     assert ("vllm-fp8-chat", "spread") in codes and ("vllm-fp8-chat", "client") in codes
     assert ("vllm-fp8-chat", "failed") in codes and ("vllm-fp8-chat", "errors") in codes
     assert ("vllm-fp8-chat", "cv") in codes  # 600 vs 450 tok/s across two repeats
     assert ("<script>alert(1)</script>", "errors") in codes and ("<script>alert(1)</script>", "n<20") in codes
-    plan = F.run_plan(agg["runs"][0], agg)
+    plan = RP.run_plan(agg["runs"][0], agg)
     assert plan.source == "run planner" and plan.max_concurrency == 31 and plan.calibrated_max_concurrency == 28
-    merged = F.sorted_levels(agg["runs"][0])
+    merged = D.sorted_levels(agg["runs"][0])
     assert [lv["concurrency"] for lv in merged] == [1, 8, 32]
     assert merged[1]["throughput_tok_s"] == 525.0 and merged[1]["requests"] == 96
 
@@ -364,11 +372,11 @@ def test_html_autoescapes_user_input(extended):
 
 
 def test_markdown_escape():
-    assert R.md_escape("a|b") == "a\\|b"
-    assert R.md_escape("line\nbreak") == "line break"
-    assert R.md_escape("snake_case") == "snake_case" and R.md_escape("_x_") == "\\_x\\_"
-    t = R.Table(["A|B", "n"], [["x|y", "1"]], [False, True])
-    assert R.md_table(t).splitlines() == ["| A\\|B | n |", "|---|---:|", "| x\\|y | 1 |"]
+    assert md_escape("a|b") == "a\\|b"
+    assert md_escape("line\nbreak") == "line break"
+    assert md_escape("snake_case") == "snake_case" and md_escape("_x_") == "\\_x\\_"
+    t = T.Table(["A|B", "n"], [["x|y", "1"]], [False, True])
+    assert T.md_table(t).splitlines() == ["| A\\|B | n |", "|---|---:|", "| x\\|y | 1 |"]
 
 
 def test_missing_pango_still_writes_markdown_and_html(tmp_path, monkeypatch, reference):
@@ -387,12 +395,12 @@ def test_rendering_leaves_the_aggregate_alone(reference, tmp_path):
     before, ref_before = copy.deepcopy(agg), copy.deepcopy(reference)
     R.build_context(agg, None, None, svg=False)
     R.build_context(reference, None, None, svg=False)
-    R.write_csv(agg, tmp_path / "c.csv")
+    T.write_csv(agg, tmp_path / "c.csv")
     assert agg == before and reference == ref_before
 
 
 def test_default_title_and_override(reference, extended):
-    assert R.default_title(reference).startswith("kvexp comparison — NVIDIA GeForce RTX 5070 Ti — ")
+    assert default_title(reference).startswith("kvexp comparison — NVIDIA GeForce RTX 5070 Ti — ")
     ctx = R.build_context(reference, "My title", None, svg=False)
     assert ctx["title"] == "My title"
     _, out, _ = extended
@@ -400,19 +408,19 @@ def test_default_title_and_override(reference, extended):
 
 
 def test_unknown_format_is_one_line(tmp_path, reference):
-    with pytest.raises(R.ReportError, match=r"formats=\['docx'\]: unknown docx"):
+    with pytest.raises(ReportError, match=r"formats=\['docx'\]: unknown docx"):
         R.render_report(reference, tmp_path, formats=("docx",))
 
 
 def test_colours_follow_the_configuration():
     runs = [{"label": "vllm-fp8kv-chat", "scenario": "chat"}, {"label": "vllm-fp8kv-long", "scenario": "long"},
             {"label": "ollama", "scenario": "chat"}]
-    keys = [R._colour_key(r) for r in runs]
+    keys = [R.colour_key(r) for r in runs]
     assert keys[0] == keys[1] == "vllm-fp8kv" and keys[2] == "ollama"
-    cmap = R.C.colour_map(keys)
+    cmap = C.colour_map(keys)
     assert len(set(cmap.values())) == 2
 
 
 def test_templates_are_found():
-    d = R.templates_dir()
+    d = templates_dir()
     assert (d / "report.md.j2").is_file() and (d / "report.html.j2").is_file()

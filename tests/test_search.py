@@ -170,7 +170,7 @@ def test_the_search_finds_the_grids_answer_in_less_time(grid_and_search):
 
 def test_the_reports_recommendation_names_the_answer(grid_and_search, tmp_path, monkeypatch):
     from kvexp.report import render as R
-    from kvexp.results.store import collect
+    from kvexp.analysis.aggregate import collect
 
     monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "none.json"))
     answer = grid_and_search["search"][0]["search"]["answer"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvexp.metrics import stats
-from kvexp.measure.loadgen import RequestRecord
+from kvexp.metrics.records import RequestRecord
 
 
 def rec(sent, first, done, out, prompt=4, times=None, error=None):

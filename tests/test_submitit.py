@@ -100,8 +100,10 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
     from hydra import compose, initialize_config_dir
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 
-    import kvexp.app.cli  # noqa: F401  (registers kvexp's schemas)
+    from kvexp.app.checks import register_configs
     from kvexp.core.paths import data_dir
+
+    register_configs()
 
     with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu"],

@@ -111,9 +111,9 @@ def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path):
     assert w["arrival_error_ms"]["p99"] < 20.0
     assert w["prompts_exact"] == 64 and w["output_tokens"]["realised"] == w["output_tokens"]["asked"]
     assert lv["prefix_cache"]["hit_tokens"] > 0  # rows that share hash ids share their first blocks
-    from kvexp.workload import spec as workload
+    from kvexp.workload import files, trace
 
-    rows = workload.load_trace(workload.resolve_path("@trace-tiny.jsonl"))
+    rows = trace.load_trace(files.resolve_path("@trace-tiny.jsonl"))
     recs = sorted(requests_of(tmp_path), key=lambda r: r["index"])
     start = recs[0]["scheduled_s"]
     for row, r in zip(rows, recs):  # the schedule is the trace's own, scaled

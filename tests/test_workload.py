@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvexp.metrics import stats
-from kvexp.workload import spec as workload
+from kvexp.workload import dataset, examples, files, lengths, prefixes, trace
 from kvexp.core.config import ConfigError, LengthDist
-from kvexp.workload.spec import DataError, Entry, Message, TraceRow
+from kvexp.workload.dataset import Entry, Message
+from kvexp.workload.files import DataError
+from kvexp.workload.trace import TraceRow
 
 CENTRE = 100
 DISTS = {
@@ -29,50 +31,50 @@ DISTS = {
 @pytest.mark.parametrize("kind", sorted(DISTS))
 def test_samples_within_bounds_and_deterministic(kind):
     d = DISTS[kind]
-    lo, hi = workload.bounds(d, CENTRE)
-    xs = workload.sample_lengths(d, CENTRE, 2000, seed=7)
+    lo, hi = lengths.bounds(d, CENTRE)
+    xs = lengths.sample_lengths(d, CENTRE, 2000, seed=7)
     assert len(xs) == 2000
     assert all(isinstance(x, int) and lo <= x <= hi for x in xs)
-    assert xs == workload.sample_lengths(d, CENTRE, 2000, seed=7)
+    assert xs == lengths.sample_lengths(d, CENTRE, 2000, seed=7)
     if kind == "fixed":
         assert xs == [CENTRE] * 2000
     else:
-        assert xs != workload.sample_lengths(d, CENTRE, 2000, seed=8)
+        assert xs != lengths.sample_lengths(d, CENTRE, 2000, seed=8)
 
 
 def test_bounds_per_kind():
-    assert workload.bounds(DISTS["fixed"], CENTRE) == (100, 100)
-    assert workload.bounds(DISTS["uniform"], CENTRE) == (50, 150)
-    assert workload.bounds(DISTS["normal"], CENTRE) == (60, 140)
-    assert workload.bounds(DISTS["histogram"], CENTRE) == (10, 1000)
+    assert lengths.bounds(DISTS["fixed"], CENTRE) == (100, 100)
+    assert lengths.bounds(DISTS["uniform"], CENTRE) == (50, 150)
+    assert lengths.bounds(DISTS["normal"], CENTRE) == (60, 140)
+    assert lengths.bounds(DISTS["histogram"], CENTRE) == (10, 1000)
     zero_tail = LengthDist(kind="histogram", bins=[5, 50, 500], weights=[1.0, 1.0, 0.0])
-    assert workload.bounds(zero_tail, CENTRE) == (5, 50)
-    assert set(workload.sample_lengths(zero_tail, CENTRE, 500, seed=1)) == {5, 50}
+    assert lengths.bounds(zero_tail, CENTRE) == (5, 50)
+    assert set(lengths.sample_lengths(zero_tail, CENTRE, 500, seed=1)) == {5, 50}
 
 
 def test_normal_and_lognormal_are_clipped_to_min_max():
     wide = LengthDist(kind="normal", min=90, max=110, std=1000.0)
-    xs = workload.sample_lengths(wide, CENTRE, 1000, seed=3)
+    xs = lengths.sample_lengths(wide, CENTRE, 1000, seed=3)
     assert min(xs) == 90 and max(xs) == 110
     huge = LengthDist(kind="lognormal", min=1, max=1 << 20, sigma=500.0)
-    ys = workload.sample_lengths(huge, CENTRE, 200, seed=3)
+    ys = lengths.sample_lengths(huge, CENTRE, 200, seed=3)
     assert min(ys) == 1 and max(ys) == 1 << 20
 
 
 def test_sample_means_near_expected():
     for kind, want in (("uniform", 100.0), ("normal", 100.0), ("histogram", 302.5)):
-        xs = workload.sample_lengths(DISTS[kind], CENTRE, 20000, seed=11)
+        xs = lengths.sample_lengths(DISTS[kind], CENTRE, 20000, seed=11)
         assert sum(xs) / len(xs) == pytest.approx(want, rel=0.05), kind
-    assert workload.expected_mean(DISTS["fixed"], CENTRE) == 100.0
-    assert workload.expected_mean(DISTS["uniform"], CENTRE) == 100.0
-    assert workload.expected_mean(DISTS["histogram"], CENTRE) == pytest.approx(302.5)  # (10+200+1000)/4
-    assert workload.expected_mean(DISTS["normal"], CENTRE) == pytest.approx(100.0, abs=1.0)
+    assert lengths.expected_mean(DISTS["fixed"], CENTRE) == 100.0
+    assert lengths.expected_mean(DISTS["uniform"], CENTRE) == 100.0
+    assert lengths.expected_mean(DISTS["histogram"], CENTRE) == pytest.approx(302.5)  # (10+200+1000)/4
+    assert lengths.expected_mean(DISTS["normal"], CENTRE) == pytest.approx(100.0, abs=1.0)
     # a lognormal's median is the centre, its mean above it: exp(sigma^2/2) ~ 1.133 (a little clipped)
-    assert 105 < workload.expected_mean(DISTS["lognormal"], CENTRE) < 118
+    assert 105 < lengths.expected_mean(DISTS["lognormal"], CENTRE) < 118
 
 
 def test_lognormal_median_is_the_centre():
-    xs = sorted(workload.sample_lengths(DISTS["lognormal"], CENTRE, 20001, seed=5))
+    xs = sorted(lengths.sample_lengths(DISTS["lognormal"], CENTRE, 20001, seed=5))
     assert xs[10000] == pytest.approx(CENTRE, rel=0.05)
 
 
@@ -104,7 +106,7 @@ BAD_DISTS = [
 @pytest.mark.parametrize("d, what", BAD_DISTS)
 def test_check_dist_rejects_with_the_key(d, what):
     with pytest.raises(ConfigError) as e:
-        workload.check_dist(d, CENTRE, "scenario.prompt_dist")
+        lengths.check_dist(d, CENTRE, "scenario.prompt_dist")
     msg = str(e.value)
     assert msg.startswith("scenario.prompt_dist"), msg
     assert what in msg and "\n" not in msg, msg
@@ -112,12 +114,12 @@ def test_check_dist_rejects_with_the_key(d, what):
 
 def test_check_dist_accepts_good_ones_and_refuses_fields_a_kind_does_not_use():
     for d in DISTS.values():
-        workload.check_dist(d, CENTRE, "scenario.output_dist")
-    assert str(_raises(lambda: workload.check_dist(LengthDist(kind="fixed", min=500), CENTRE, "k"))) == \
+        lengths.check_dist(d, CENTRE, "scenario.output_dist")
+    assert str(_raises(lambda: lengths.check_dist(LengthDist(kind="fixed", min=500), CENTRE, "k"))) == \
         "k.min: kind=fixed does not use it (it reads nothing)"
-    assert str(_raises(lambda: workload.check_dist(LengthDist(kind="uniform", min=1, max=9, std=2.0), 5, "k"))) == \
+    assert str(_raises(lambda: lengths.check_dist(LengthDist(kind="uniform", min=1, max=9, std=2.0), 5, "k"))) == \
         "k.std: kind=uniform does not use it (it reads min, max)"
-    assert str(_raises(lambda: workload.check_dist(LengthDist(kind="uniform"), 5, "scenario.output_dist"))) == \
+    assert str(_raises(lambda: lengths.check_dist(LengthDist(kind="uniform"), 5, "scenario.output_dist"))) == \
         "scenario.output_dist: kind=uniform needs min and max"
 
 
@@ -129,7 +131,7 @@ def _raises(fn):
 
 def test_sampling_a_bad_dist_is_refused():
     with pytest.raises(ConfigError, match="needs min and max"):
-        workload.sample_lengths(LengthDist(kind="uniform"), CENTRE, 3, seed=0)
+        lengths.sample_lengths(LengthDist(kind="uniform"), CENTRE, 3, seed=0)
 
 
 # --- summary and histogram -------------------------------------------------------------------------
@@ -146,19 +148,19 @@ def test_summary_values_and_edges():
 
 
 def test_histogram_edges():
-    assert workload.histogram([]) == []
-    assert workload.histogram([5, 5, 5]) == [{"lo": 5, "hi": 5, "count": 3}]
-    assert workload.histogram([1, 2, 3], bins=10) == [{"lo": 1, "hi": 1, "count": 1}, {"lo": 2, "hi": 2, "count": 1},
+    assert stats.histogram([]) == []
+    assert stats.histogram([5, 5, 5]) == [{"lo": 5, "hi": 5, "count": 3}]
+    assert stats.histogram([1, 2, 3], bins=10) == [{"lo": 1, "hi": 1, "count": 1}, {"lo": 2, "hi": 2, "count": 1},
                                                      {"lo": 3, "hi": 3, "count": 1}]
-    h = workload.histogram(list(range(1, 101)), bins=10)
+    h = stats.histogram(list(range(1, 101)), bins=10)
     assert [(b["lo"], b["hi"], b["count"]) for b in h] == [(i * 10 + 1, i * 10 + 10, 10) for i in range(10)]
     with pytest.raises(ValueError):
-        workload.histogram([1], bins=0)
+        stats.histogram([1], bins=0)
 
 
 def test_histogram_covers_and_counts_everything():
-    xs = workload.sample_lengths(DISTS["normal"], CENTRE, 999, seed=2)
-    h = workload.histogram(xs, bins=7)
+    xs = lengths.sample_lengths(DISTS["normal"], CENTRE, 999, seed=2)
+    h = stats.histogram(xs, bins=7)
     assert 1 <= len(h) <= 7
     assert sum(b["count"] for b in h) == 999
     assert h[0]["lo"] == min(xs) and h[-1]["hi"] == max(xs)
@@ -171,27 +173,27 @@ def test_histogram_covers_and_counts_everything():
 
 
 def test_prefix_groups_balanced_shuffled_seeded():
-    g = workload.prefix_groups_of(103, 4, seed=1)
+    g = prefixes.prefix_groups_of(103, 4, seed=1)
     assert len(g) == 103
     assert sorted(g.count(i) for i in range(4)) == [25, 26, 26, 26]
     assert set(g) == {0, 1, 2, 3}
-    assert g == workload.prefix_groups_of(103, 4, seed=1)
-    assert g != workload.prefix_groups_of(103, 4, seed=2)
+    assert g == prefixes.prefix_groups_of(103, 4, seed=1)
+    assert g != prefixes.prefix_groups_of(103, 4, seed=2)
     assert g != sorted(g) and g != [i % 4 for i in range(103)]
-    assert workload.prefix_groups_of(5, 1, seed=0) == [0] * 5
-    assert workload.prefix_groups_of(0, 3, seed=0) == []
+    assert prefixes.prefix_groups_of(5, 1, seed=0) == [0] * 5
+    assert prefixes.prefix_groups_of(0, 3, seed=0) == []
     with pytest.raises(ValueError):
-        workload.prefix_groups_of(3, 0, seed=0)
+        prefixes.prefix_groups_of(3, 0, seed=0)
 
 
 def test_prefix_tokens_per_group():
     pool = list(range(1000, 1100))
-    a = workload.prefix_tokens_of(pool, 0, 32, seed=5)
+    a = prefixes.prefix_tokens_of(pool, 0, 32, seed=5)
     assert len(a) == 32 and all(t in pool for t in a)
-    assert a == workload.prefix_tokens_of(pool, 0, 32, seed=5)
-    assert a != workload.prefix_tokens_of(pool, 1, 32, seed=5)
-    assert a != workload.prefix_tokens_of(pool, 0, 32, seed=6)
-    assert workload.prefix_tokens_of(pool, 0, 0, seed=5) == []
+    assert a == prefixes.prefix_tokens_of(pool, 0, 32, seed=5)
+    assert a != prefixes.prefix_tokens_of(pool, 1, 32, seed=5)
+    assert a != prefixes.prefix_tokens_of(pool, 0, 32, seed=6)
+    assert prefixes.prefix_tokens_of(pool, 0, 0, seed=5) == []
 
 
 # --- datasets --------------------------------------------------------------------------------------
@@ -213,7 +215,7 @@ PROMPT = {"prompt": "just this", "output_tokens": 12}
 
 def test_all_three_shapes_parse(tmp_path):
     p = write(tmp_path, [CHAT, "", SHAREGPT, "   ", PROMPT])
-    chat, share, prompt = workload.load_dataset(p)
+    chat, share, prompt = dataset.load_dataset(p)
     assert chat == Entry(line=1, messages=(Message("system", "be brief"), Message("user", "hi"),
                                            Message("assistant", "hello"), Message("user", "how are you")),
                          reply="fine", output_tokens=None, user_turns=("hi", "how are you"))
@@ -226,43 +228,43 @@ def test_all_three_shapes_parse(tmp_path):
 
 def test_conversation_ending_with_user_has_no_reply(tmp_path):
     line = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}], "output_tokens": 3}
-    (e,) = workload.load_dataset(write(tmp_path, [line]))
+    (e,) = dataset.load_dataset(write(tmp_path, [line]))
     assert e.reply is None and e.output_tokens == 3 and e.messages[0] == Message("system", "s")
 
 
 def test_shipped_files_load():
-    names = workload.shipped_names()
+    names = files.shipped_names()
     assert names == ["chat-tiny.jsonl", "sharegpt-tiny.jsonl", "trace-tiny.jsonl"]
-    share = workload.load_dataset("@sharegpt-tiny.jsonl")
-    chat = workload.load_dataset(workload.resolve_path("@chat-tiny"))
+    share = dataset.load_dataset("@sharegpt-tiny.jsonl")
+    chat = dataset.load_dataset(files.resolve_path("@chat-tiny"))
     assert len(share) == 40 and len(chat) == 24
     assert any(e.messages[0].role == "system" for e in share)
     for e in share + chat:
         assert 1 <= len(e.user_turns) <= 3
         assert all(5 <= len(t.split()) <= 60 for t in e.user_turns)
         assert e.reply is not None and 5 <= len(e.reply.split()) <= 40
-    trace = workload.load_trace("@trace-tiny.jsonl")
-    assert len(trace) == 64
-    assert all(48 <= r.input_length <= 192 and 8 <= r.output_length <= 32 for r in trace)
-    assert all(len(r.hash_ids) == math.ceil(r.input_length / 16) for r in trace)
-    shared = [r for r in trace if r.hash_ids[0] < 1000]
+    rows = trace.load_trace("@trace-tiny.jsonl")
+    assert len(rows) == 64
+    assert all(48 <= r.input_length <= 192 and 8 <= r.output_length <= 32 for r in rows)
+    assert all(len(r.hash_ids) == math.ceil(r.input_length / 16) for r in rows)
+    shared = [r for r in rows if r.hash_ids[0] < 1000]
     assert 16 <= len(shared) <= 48
     assert len({r.hash_ids[0] for r in shared}) <= 4
-    for p in workload.DATASETS_DIR.glob("*.jsonl"):
+    for p in files.DATASETS_DIR.glob("*.jsonl"):
         assert p.stat().st_size < 40_000, p
 
 
 def test_write_examples_is_deterministic(tmp_path):
-    paths = workload.write_examples(tmp_path)
+    paths = examples.write_examples(tmp_path)
     assert [p.name for p in paths] == ["sharegpt-tiny.jsonl", "chat-tiny.jsonl", "trace-tiny.jsonl"]
     for p in paths:
-        assert p.read_bytes() == (workload.DATASETS_DIR / p.name).read_bytes(), p.name
+        assert p.read_bytes() == (files.DATASETS_DIR / p.name).read_bytes(), p.name
 
 
 def bad_dataset(tmp_path, bad, blank_before=True) -> str:
     lines = [CHAT, PROMPT] + ([""] if blank_before else []) + [bad, CHAT]
     with pytest.raises(DataError) as e:
-        workload.load_dataset(write(tmp_path, lines))
+        dataset.load_dataset(write(tmp_path, lines))
     msg = str(e.value)
     assert "\n" not in msg
     return msg
@@ -305,54 +307,54 @@ def test_not_utf8_names_the_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(json.dumps(CHAT).encode() + b"\n\n" + b'{"prompt": "caf\xe9"}\n')
     with pytest.raises(DataError) as e:
-        workload.load_dataset(p)
+        dataset.load_dataset(p)
     assert str(e.value) == f"{p} line 3: not UTF-8"
 
 
 def test_bom_and_crlf_are_fine(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + json.dumps(PROMPT).encode() + b"\r\n" + json.dumps(CHAT).encode() + b"\r\n")
-    assert [e.line for e in workload.load_dataset(p)] == [1, 2]
+    assert [e.line for e in dataset.load_dataset(p)] == [1, 2]
 
 
 def test_missing_and_empty_files(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(DataError) as e:
-        workload.load_dataset(missing)
+        dataset.load_dataset(missing)
     assert str(e.value) == f"{missing}: cannot read: No such file or directory"
     with pytest.raises(DataError, match="cannot read"):
-        workload.load_dataset(tmp_path)
+        dataset.load_dataset(tmp_path)
     empty = write(tmp_path, ["", "  "], "empty.jsonl")
     with pytest.raises(DataError) as e:
-        workload.load_dataset(empty)
+        dataset.load_dataset(empty)
     assert str(e.value) == f"{empty}: no entries"
     assert isinstance(e.value, ConfigError)
 
 
 def test_unchanged_file_is_not_parsed_again(tmp_path, monkeypatch):
     p = write(tmp_path, [PROMPT, CHAT])
-    first = workload.load_dataset(p)
+    first = dataset.load_dataset(p)
     calls = []
-    monkeypatch.setattr(workload.json, "loads", lambda s: calls.append(s) or json.JSONDecoder().decode(s))
-    again = workload.load_dataset(p)
+    monkeypatch.setattr(files.json, "loads", lambda s: calls.append(s) or json.JSONDecoder().decode(s))
+    again = dataset.load_dataset(p)
     assert again == first and calls == []
     again.clear()
-    assert len(workload.load_dataset(p)) == 2  # a caller's change to its list is not the cache's
+    assert len(dataset.load_dataset(p)) == 2  # a caller's change to its list is not the cache's
     write(tmp_path, [PROMPT, CHAT, SHAREGPT])
-    assert len(workload.load_dataset(p)) == 3 and len(calls) == 3
+    assert len(dataset.load_dataset(p)) == 3 and len(calls) == 3
 
 
 def test_resolve_path():
-    assert workload.resolve_path("@sharegpt-tiny.jsonl") == workload.DATASETS_DIR / "sharegpt-tiny.jsonl"
-    assert workload.resolve_path("@chat-tiny") == workload.DATASETS_DIR / "chat-tiny.jsonl"
-    assert workload.DATASETS_DIR == Path(workload.__file__).parent / "datasets"
-    assert workload.resolve_path("~/x.jsonl") == Path.home() / "x.jsonl"
-    assert workload.resolve_path("rel/x.jsonl") == Path("rel/x.jsonl")
+    assert files.resolve_path("@sharegpt-tiny.jsonl") == files.DATASETS_DIR / "sharegpt-tiny.jsonl"
+    assert files.resolve_path("@chat-tiny") == files.DATASETS_DIR / "chat-tiny.jsonl"
+    assert files.DATASETS_DIR == Path(files.__file__).parent / "datasets"
+    assert files.resolve_path("~/x.jsonl") == Path.home() / "x.jsonl"
+    assert files.resolve_path("rel/x.jsonl") == Path("rel/x.jsonl")
     with pytest.raises(DataError) as e:
-        workload.resolve_path("@nope.jsonl")
+        files.resolve_path("@nope.jsonl")
     assert "@nope.jsonl" in str(e.value) and "@chat-tiny.jsonl, @sharegpt-tiny.jsonl, @trace-tiny.jsonl" in str(e.value)
     with pytest.raises(DataError):
-        workload.resolve_path("@../workload.py")
+        files.resolve_path("@../workload.py")
 
 
 # --- traces ----------------------------------------------------------------------------------------
@@ -364,21 +366,21 @@ ROW = {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1, 2
 def test_good_trace(tmp_path):
     rows = [ROW, "", {"timestamp": 250, "input_length": 7, "output_length": 1, "extra": "ok"},
             {"timestamp": 250.5, "input_length": 9, "output_length": 2, "hash_ids": []}]
-    t = workload.load_trace(write(tmp_path, rows, "t.jsonl"))
+    t = trace.load_trace(write(tmp_path, rows, "t.jsonl"))
     assert t == [TraceRow(1, 0.0, 40, 5, (1, 2, 3)), TraceRow(3, 0.25, 7, 1, ()), TraceRow(4, 0.2505, 9, 2, ())]
-    assert workload.trace_offsets(t, 2.0) == pytest.approx([0.0, 0.5, 0.501])
-    assert workload.trace_offsets([], 1.0) == []
+    assert trace.trace_offsets(t, 2.0) == pytest.approx([0.0, 0.5, 0.501])
+    assert trace.trace_offsets([], 1.0) == []
 
 
 def test_trace_offsets_start_at_the_first_row():
     rows = [TraceRow(1, 10.0, 1, 1, ()), TraceRow(2, 11.5, 1, 1, ())]
-    assert workload.trace_offsets(rows, 0.5) == [0.0, 0.75]
+    assert trace.trace_offsets(rows, 0.5) == [0.0, 0.75]
 
 
 def bad_trace(tmp_path, bad) -> str:
     p = write(tmp_path, [ROW, {**ROW, "timestamp": 300}, "", bad], "t.jsonl")
     with pytest.raises(DataError) as e:
-        workload.load_trace(p)
+        trace.load_trace(p)
     msg = str(e.value)
     assert msg.startswith(f"{p} line 4: ") and "\n" not in msg, msg
     return msg[len(f"{p} line 4: "):]
@@ -420,7 +422,7 @@ def test_trace_other_bad_values(tmp_path):
 def test_empty_trace(tmp_path):
     p = write(tmp_path, [""], "t.jsonl")
     with pytest.raises(DataError) as e:
-        workload.load_trace(p)
+        trace.load_trace(p)
     assert str(e.value) == f"{p}: no entries"
 
 
@@ -428,29 +430,29 @@ POOL = list(range(500, 800))
 
 
 def test_trace_prompt_exact_length_and_shared_prefixes():
-    a = workload.trace_prompt(TraceRow(1, 0.0, 50, 1, (7, 8, 9, 10)), POOL, 16, seed=0, index=0)
-    b = workload.trace_prompt(TraceRow(2, 0.0, 70, 1, (7, 8, 11)), POOL, 16, seed=0, index=1)
-    c = workload.trace_prompt(TraceRow(3, 0.0, 50, 1, (12, 8, 9, 10)), POOL, 16, seed=0, index=2)
+    a = trace.trace_prompt(TraceRow(1, 0.0, 50, 1, (7, 8, 9, 10)), POOL, 16, seed=0, index=0)
+    b = trace.trace_prompt(TraceRow(2, 0.0, 70, 1, (7, 8, 11)), POOL, 16, seed=0, index=1)
+    c = trace.trace_prompt(TraceRow(3, 0.0, 50, 1, (12, 8, 9, 10)), POOL, 16, seed=0, index=2)
     assert len(a) == 50 and len(b) == 70 and len(c) == 50
     assert all(t in POOL for t in a + b + c)
     assert a[:32] == b[:32]  # hash ids 7, 8 shared
     assert a[32:48] != b[32:48]  # 9 vs 11
     assert a[:16] != c[:16] and a[16:48] == c[16:48]  # same blocks give the same ids wherever they are
-    assert b[48:] != workload.trace_prompt(TraceRow(2, 0.0, 70, 1, (7, 8, 11)), POOL, 16, seed=0, index=5)[48:]
-    assert a != workload.trace_prompt(TraceRow(1, 0.0, 50, 1, (7, 8, 9, 10)), POOL, 16, seed=1, index=0)
-    assert a == workload.trace_prompt(TraceRow(9, 5.0, 50, 3, (7, 8, 9, 10)), POOL, 16, seed=0, index=0)
+    assert b[48:] != trace.trace_prompt(TraceRow(2, 0.0, 70, 1, (7, 8, 11)), POOL, 16, seed=0, index=5)[48:]
+    assert a != trace.trace_prompt(TraceRow(1, 0.0, 50, 1, (7, 8, 9, 10)), POOL, 16, seed=1, index=0)
+    assert a == trace.trace_prompt(TraceRow(9, 5.0, 50, 3, (7, 8, 9, 10)), POOL, 16, seed=0, index=0)
 
 
 def test_trace_prompt_without_hash_ids_is_unique_per_index():
     row = TraceRow(1, 0.0, 33, 1, ())
-    x = workload.trace_prompt(row, POOL, 512, seed=0, index=0)
-    y = workload.trace_prompt(row, POOL, 512, seed=0, index=1)
+    x = trace.trace_prompt(row, POOL, 512, seed=0, index=0)
+    y = trace.trace_prompt(row, POOL, 512, seed=0, index=1)
     assert len(x) == len(y) == 33 and x != y
-    long_blocks = workload.trace_prompt(TraceRow(1, 0.0, 10, 1, (1, 2)), POOL, 512, seed=0, index=0)
+    long_blocks = trace.trace_prompt(TraceRow(1, 0.0, 10, 1, (1, 2)), POOL, 512, seed=0, index=0)
     assert len(long_blocks) == 10
 
 
 def test_cli_writes_examples(tmp_path, capsys):
-    assert workload.main(["examples", str(tmp_path / "ex")]) == 0
-    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == workload.shipped_names()
+    assert examples.main(["examples", str(tmp_path / "ex")]) == 0
+    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == files.shipped_names()
     assert "sharegpt-tiny.jsonl" in capsys.readouterr().out

@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from kvexp.analysis.findings import Finding, backend_name, is_num, level_x, num, sorted_levels, usable
+from kvexp.analysis.documents import Finding, backend_name, num, sorted_levels, usable
+from kvexp.metrics.levels import level_x
+from kvexp.metrics.registry import is_num
 
 
 def fmt_kld(v: Optional[float]) -> str:

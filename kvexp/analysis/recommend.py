@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvexp.analysis import noise
+from kvexp.analysis import documents as D, noise
 from kvexp.metrics import search
-from kvexp.analysis import findings as F
+from kvexp.metrics.levels import level_x
 
 
 def slo_of(run: dict) -> Optional[dict[str, Any]]:
@@ -63,7 +63,7 @@ def quality_summary(run: dict) -> Optional[dict[str, float]]:
 def _levels_by_x(run: dict, kind: str) -> dict[float, list[dict]]:
     by_x: dict[float, list[dict]] = {}
     for lv in run.get("levels") or []:
-        if isinstance(lv, dict) and F.is_num(lv.get(kind)) and (kind == "rate" or not F.is_num(lv.get("rate"))):
+        if isinstance(lv, dict) and D.is_num(lv.get(kind)) and (kind == "rate" or not D.is_num(lv.get("rate"))):
             by_x.setdefault(float(lv[kind]), []).append(lv)
     return by_x
 
@@ -72,7 +72,7 @@ def _kind(run: dict) -> str:
     s = run.get("search")
     if isinstance(s, dict) and s.get("kind") in search.KINDS:
         return s["kind"]
-    return "rate" if any(isinstance(lv, dict) and F.is_num(lv.get("rate")) for lv in run.get("levels") or []) \
+    return "rate" if any(isinstance(lv, dict) and D.is_num(lv.get("rate")) for lv in run.get("levels") or []) \
         else "concurrency"
 
 
@@ -85,7 +85,7 @@ def capacity(run: dict, slo: dict[str, Any]) -> dict[str, Any]:
     probes = [search.evaluate(x, lvs, obj) for x, lvs in sorted(by_x.items())]
     s = run.get("search") if isinstance(run.get("search"), dict) else None
     cap = s.get("answer") if s and slo_of(run) == slo else search.grid_answer(probes)
-    level = next((lv for lv in F.sorted_levels(run) if F.level_x(lv) == (kind, cap)), None) if cap is not None else None
+    level = next((lv for lv in D.sorted_levels(run) if level_x(lv) == (kind, cap)), None) if cap is not None else None
     miss = miss_at = miss_what = None
     if probes and cap is None:
         low = probes[0]
@@ -103,17 +103,17 @@ def capacity(run: dict, slo: dict[str, Any]) -> dict[str, Any]:
 
 def _entry(run: dict, cap: dict[str, Any]) -> dict[str, Any]:
     lv = cap["level"] or {}
-    return {"label": str(run.get("label")), "backend": run.get("backend"), "kv": F.kv_name(run).display,
+    return {"label": str(run.get("label")), "backend": run.get("backend"), "kv": D.kv_name(run).display,
             "capacity": cap["capacity"], "kind": cap["kind"],
-            "throughput_tok_s": F.num(lv, "throughput_tok_s") if lv else None,
+            "throughput_tok_s": D.num(lv, "throughput_tok_s") if lv else None,
             "quality": quality_summary(run)}
 
 
 def _peak(run: dict) -> Optional[dict]:
     best = None
-    for lv in F.sorted_levels(run):
-        v = F.num(lv, "throughput_tok_s")
-        if v is not None and F.usable(run, lv) and F.level_x(lv) and (best is None or v > best["throughput_tok_s"]):
+    for lv in D.sorted_levels(run):
+        v = D.num(lv, "throughput_tok_s")
+        if v is not None and D.usable(run, lv) and level_x(lv) and (best is None or v > best["throughput_tok_s"]):
             best = lv
     return best
 
@@ -143,15 +143,15 @@ def _with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str,
         r, c = closest
         out["miss"] = {"label": str(r.get("label")), "at": c["miss_at"], "kind": c["kind"], "miss_pct": c["miss_pct"],
                        "figure": c["miss_what"]}
-        out["sentence"] = (f"{head}: nothing meets the objectives; the closest, {r.get('label')} ({F.run_kind(r)}), "
-                           f"misses by {c['miss_pct']:g} % at its lowest level ({F.x_words(c['kind'])} "
+        out["sentence"] = (f"{head}: nothing meets the objectives; the closest, {r.get('label')} ({D.run_kind(r)}), "
+                           f"misses by {c['miss_pct']:g} % at its lowest level ({D.x_words(c['kind'])} "
                            f"{c['miss_at']:g}: {c['miss_what']}).")
         return out
-    ranked = sorted(meeting, key=lambda rc: (rc[1]["capacity"], F.num(rc[1]["level"] or {}, "throughput_tok_s") or 0),
+    ranked = sorted(meeting, key=lambda rc: (rc[1]["capacity"], D.num(rc[1]["level"] or {}, "throughput_tok_s") or 0),
                     reverse=True)
     (br, bc) = ranked[0]
     out["best"] = _entry(br, bc)
-    sentence = (f"{head}: {br.get('label')} ({F.run_kind(br)}) serves the most, {_fmt_x(bc['kind'], bc['capacity'])} "
+    sentence = (f"{head}: {br.get('label')} ({D.run_kind(br)}) serves the most, {_fmt_x(bc['kind'], bc['capacity'])} "
                 f"within the objectives")
     tput = out["best"]["throughput_tok_s"]
     if tput is not None:
@@ -171,13 +171,13 @@ def _with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str,
         out["margin"] = margin
         if diff > 0:
             pct = "" if margin["capacity_pct"] is None else f", +{margin['capacity_pct']:g} %"
-            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}), {_fmt_x(rc['kind'], rc['capacity'])} "
+            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}), {_fmt_x(rc['kind'], rc['capacity'])} "
                          f"(margin {diff:g}{pct})")
         elif v is not None and not v.measurable:
-            sentence += (f"; {rr.get('label')} ({F.run_kind(rr)}) serves as many, and their throughput there shows "
+            sentence += (f"; {rr.get('label')} ({D.run_kind(rr)}) serves as many, and their throughput there shows "
                          f"{v.phrase}: either will do")
         else:
-            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}) serves as many"
+            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}) serves as many"
                          + (f" at lower throughput, {v.phrase}" if v is not None else ""))
     out["sentence"] = sentence + "."
     return out
@@ -187,28 +187,28 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
     peaks = [(r, lv) for r in runs for lv in [_peak(r)] if lv is not None]
     if not peaks:
         return None
-    peaks.sort(key=lambda rl: F.num(rl[1], "throughput_tok_s") or 0, reverse=True)
+    peaks.sort(key=lambda rl: D.num(rl[1], "throughput_tok_s") or 0, reverse=True)
     (br, bl) = peaks[0]
-    kind, x = F.level_x(bl)  # type: ignore[misc]
-    best = {"label": str(br.get("label")), "backend": br.get("backend"), "kv": F.kv_name(br).display,
-            "capacity": None, "kind": kind, "at": x, "throughput_tok_s": F.num(bl, "throughput_tok_s"),
+    kind, x = level_x(bl)  # type: ignore[misc]
+    best = {"label": str(br.get("label")), "backend": br.get("backend"), "kv": D.kv_name(br).display,
+            "capacity": None, "kind": kind, "at": x, "throughput_tok_s": D.num(bl, "throughput_tok_s"),
             "quality": quality_summary(br)}
     out: dict[str, Any] = {"scenario": scenario, "slo": None, "met": None, "best": best, "runner_up": None,
                            "margin": None, "miss": None}
     sentence = (f"{scenario}, no latency objective set (scenario.slo_ttft_ms / slo_tpot_ms): by peak throughput, "
-                f"{br.get('label')} ({F.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
-                f"{F.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
+                f"{br.get('label')} ({D.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
+                f"{D.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
     if len(peaks) > 1:
         rr, rl = peaks[1]
-        rk, rx = F.level_x(rl)  # type: ignore[misc]
-        out["runner_up"] = {"label": str(rr.get("label")), "backend": rr.get("backend"), "kv": F.kv_name(rr).display,
-                            "capacity": None, "kind": rk, "at": rx, "throughput_tok_s": F.num(rl, "throughput_tok_s"),
+        rk, rx = level_x(rl)  # type: ignore[misc]
+        out["runner_up"] = {"label": str(rr.get("label")), "backend": rr.get("backend"), "kv": D.kv_name(rr).display,
+                            "capacity": None, "kind": rk, "at": rx, "throughput_tok_s": D.num(rl, "throughput_tok_s"),
                             "quality": quality_summary(rr)}
         v = noise.compare(br, bl, rr, rl, "throughput_tok_s")
         if v is not None:
             out["margin"] = {"throughput_pct": None if v.diff_pct is None else round(v.diff_pct, 1), **v.numbers()}
-            sentence += (f"; runner-up {rr.get('label')} ({F.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} "
-                         f"tok/s at {F.x_words(rk)} {rx:g}: {v.phrase}")
+            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} "
+                         f"tok/s at {D.x_words(rk)} {rx:g}: {v.phrase}")
     out["sentence"] = sentence + "."
     return out
 
@@ -216,8 +216,8 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
 def recommendations(aggregate: dict) -> list[dict[str, Any]]:
     """One recommendation per scenario and SLO (schema/aggregate.schema.json `recommendations`)."""
     out: list[dict[str, Any]] = []
-    for scen, runs in F.scenarios(aggregate):
-        usable = [r for r in runs if F.run_status(r) not in ("failed", "skipped")]
+    for scen, runs in D.scenarios(aggregate):
+        usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]
         groups: dict[tuple, list[dict]] = {}
         for r in usable:
             slo = slo_of(r)

@@ -18,7 +18,7 @@ from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, 
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
                                check_kv)
 from kvexp.core.paths import data_dir
-from kvexp.workload import spec as workload
+from kvexp.workload import scenario
 
 
 def register_configs() -> None:
@@ -62,7 +62,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     _require(s.max_start_rate is None or s.max_start_rate > 0,
              f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
     check_search(s)
-    workload.check_scenario(s)
+    scenario.check_scenario(s)
     caps = adapter_class(b.name).capabilities
     _require(not s.trace or (s.api == "completions" and caps.exact_prompts),
              f"scenario.trace: replaying a trace needs token-id prompts, the completions API of a backend with a "
@@ -192,11 +192,11 @@ def check_fits_context(cfg: ExperimentConfig) -> None:
     per_seq = spec.context_per_seq_tokens
     if per_seq is None:
         return
-    need = workload.longest_sequence(s)
+    need = scenario.longest_sequence(s)
     slots = spec.slots or 1
     split = per_seq < (spec.context_tokens or per_seq)
     where = f"backend.context={b.context}" + (f" over {slots} slots (backend.parallel)" if split else "")
-    what = ("scenario.prompt_tokens + scenario.max_tokens" if workload.kind(s) == "synthetic" and need ==
+    what = ("scenario.prompt_tokens + scenario.max_tokens" if scenario.kind(s) == "synthetic" and need ==
             s.prompt_tokens + s.max_tokens else "the scenario's longest request (prompt and output)")
     _require(need <= per_seq, f"{what} = {need} tokens do not fit the "
              f"{per_seq} tokens per sequence of {where}: raise backend.context or shorten the scenario")

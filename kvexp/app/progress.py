@@ -1,6 +1,6 @@
 """Live progress per job and level: requests done, tokens/s, errors, elapsed and remaining time.
 
-An Observer of the load generator (kvexp.measure.loadgen.Observer). request_done runs on the measuring event
+An Observer of the load generator (kvexp.measure.client.Observer). request_done runs on the measuring event
 loop once per request, so it only adds to three counters; rich draws the display from those counters
 on its own timer (a few times a second, in its own thread) and never on the request path. When the
 output is not a terminal, the plain observer given (log lines per level) is used instead."""

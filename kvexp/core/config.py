@@ -5,7 +5,7 @@ converts the result with OmegaConf.to_object and everything below it receives th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -125,7 +125,7 @@ class LengthDist:
     (prompt_tokens or max_tokens, "the centre"): fixed (every request the centre), uniform over
     [min, max], normal with mean the centre and std, lognormal with median the centre and sigma (of
     the log), or an empirical histogram (lengths `bins` drawn with `weights`). normal and lognormal
-    are clipped to [min, max], which they must give. Sampled seeded (scenario.seed) in kvexp/workload/spec.py."""
+    are clipped to [min, max], which they must give. Sampled seeded (scenario.seed) in kvexp/workload/lengths.py."""
 
     kind: DistKind = DistKind.fixed
     min: Optional[int] = None
@@ -155,7 +155,7 @@ class ScenarioConfig:
     kind: str = "speed"
     prompt_tokens: int = MISSING
     max_tokens: int = MISSING
-    # The user's traffic (kvexp/workload/spec.py): length distributions around prompt_tokens / max_tokens,
+    # The user's traffic (kvexp/workload/): length distributions around prompt_tokens / max_tokens,
     # shared prefixes, multi-turn conversations, a dataset of prompts or a timed trace to replay.
     prompt_dist: LengthDist = field(default_factory=LengthDist)
     output_dist: LengthDist = field(default_factory=LengthDist)
@@ -251,7 +251,7 @@ class QualityConfig:
     after a job's speed levels when enabled, and is all a job of a `kind: quality` scenario does."""
 
     enabled: bool = False
-    text: Optional[str] = None  # evaluation text file; None: kvexp's own (kvexp/evaltext.txt)
+    text: Optional[str] = None  # evaluation text file; None: kvexp's own (kvexp/assets/evaltext.txt)
     # Teacher-forced drift: context depths (tokens per window; the second half of each is scored)
     depths: list[int] = field(default_factory=lambda: [512, 2048, 4096])
     chunks: int = 4  # windows per depth, at most (the text's length may allow fewer)
@@ -304,10 +304,8 @@ def job_label(cfg: ExperimentConfig) -> str:
 
 def to_plain(obj: Any) -> Any:
     """Dataclass tree -> JSON-ready dict (for results)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_plain(v) for v in obj]
     if isinstance(obj, dict):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import psutil
+import pynvml
 
 log = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -19,8 +20,6 @@ def _nvml() -> Any:
     """The pynvml module, initialised; None (with one warning per process) when unavailable."""
     global _warned
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         return pynvml
     except Exception as e:  # no library, no driver, no device: all mean "no GPU figures"

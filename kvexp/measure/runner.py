@@ -17,25 +17,28 @@ import aiohttp
 
 from kvexp import backends
 from kvexp.assets import embedded
-from kvexp.capacity import modelinfo
-from kvexp.planning import prediction
-from kvexp.metrics import search, stats
-from kvexp.workload import spec as workload
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo, auth_headers
 from kvexp.backends.pool import Server, ServerPool
 from kvexp.backends.process import tail
+from kvexp.capacity import modelinfo
+from kvexp.capacity.planner import ModelArch
 from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label
 from kvexp.core.paths import SpaceReserve
-from kvexp.capacity.planner import ModelArch
+from kvexp.measure.client import ClientOptions, Observer, client_environment, make_session
 from kvexp.measure.gpu import GIB, MemorySampler, gpu_info
-from kvexp.metrics.levels import Level, kv_peak, level_warnings, workload_warnings
-from kvexp.measure.loadgen import LoadGenerator, Observer, arrival_offsets, make_session
-from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
-                           level_value, previous_result, spec_of, utc_now, write_json, write_jsonl)
+from kvexp.measure.loadgen import LoadGenerator, arrival_offsets
 from kvexp.measure.telemetry import TelemetrySampler
 from kvexp.measure.traffic import Traffic
-from kvexp.results.validate import SCHEMA_VERSION
 from kvexp.measure.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
+from kvexp.metrics import search, stats
+from kvexp.metrics.levels import Level, kv_peak, level_warnings, level_x, workload_warnings
+from kvexp.planning import calibration, prediction
+from kvexp.quality import measure as quality
+from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
+                                 previous_result, spec_of, utc_now, write_json, write_jsonl)
+from kvexp.results.validate import SCHEMA_VERSION
+from kvexp.workload import scenario
+from kvexp.workload.trace import trace_rate
 
 log = logging.getLogger("kvexp")
 POLL_INTERVAL_S = 0.2
@@ -58,7 +61,7 @@ class Job:
         """The scenario's levels in order: (kind, value), kind concurrency or rate."""
         s = self.cfg.scenario
         if s.trace:  # one level: the trace at its own pace (x time_scale)
-            return [("rate", workload.trace_rate(s))]
+            return [("rate", trace_rate(s))]
         if s.search:  # the grid an SLO search moves on (kvexp/metrics/search.py)
             return [(s.search, int(x) if s.search == "concurrency" else x) for x in search.scenario_grid(s)]
         return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
@@ -72,7 +75,7 @@ class Job:
         order = {key: i for i, key in enumerate((v, r) for _, v in self.plan for r in repeats)}
         levels = self.result["levels"]
         levels.append(level)
-        levels.sort(key=lambda lv: order.get((level_value(lv), lv["repeat"]), len(order)))
+        levels.sort(key=lambda lv: order.get((level_x(lv)[1], lv["repeat"]), len(order)))
         self.save()
 
 
@@ -132,8 +135,6 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend))
-    from kvexp.quality import measure as quality
-
     if cfg.resume and _resume(job) and not quality.missing(cfg, job.result):
         return job.result
     if not cfg.resume:
@@ -196,8 +197,6 @@ def _resume(job: Job) -> bool:
     prev = previous_result(job.result_path, res["config_hash"])
     job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
     if prev and all(v in job.kept for _, v in job.plan):
-        from kvexp.quality import measure as quality
-
         if prev["status"] != "complete" and not quality.missing(job.cfg, prev):  # stopped after its last level
             prev.update(status="complete", status_reason=None)
             write_json(job.result_path, prev, "result")
@@ -208,7 +207,7 @@ def _resume(job: Job) -> bool:
         res["started_at"] = prev["started_at"]
         res["resumed_at"] = [*prev.get("resumed_at", []), utc_now()]
         log.info("%s: resuming: %d level(s) kept, the others are measured again", res["label"], len(res["levels"]))
-    keep_requests(job.out_dir / REQUESTS_FILE, {(float(level_value(lv)), lv["repeat"]) for lv in res["levels"]})
+    keep_requests(job.out_dir / REQUESTS_FILE, {(level_x(lv)[1], lv["repeat"]) for lv in res["levels"]})
     return False
 
 
@@ -300,8 +299,6 @@ async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
 async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
                      maker: Traffic, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
                      value: float, repeat: int, observer: Optional[Observer]) -> dict[str, Any]:
-    from kvexp.measure.loadgen import ClientOptions, client_environment
-
     s, client = job.cfg.scenario, job.cfg.client
     work = await maker.level(s.requests, value, repeat)
     reqs = work.requests
@@ -312,7 +309,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                             event_loop=client.event_loop)
     watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
                         [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
-    cache_reset = await _reset_cache(backend, session) if workload.resets_cache(s) else None
+    cache_reset = await _reset_cache(backend, session) if scenario.resets_cache(s) else None
     counters_before = await watch.sample(backend.server_counters(session))
     before = await watch.sample(_sample(backend, session))
     sampler.window()
@@ -389,7 +386,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                                     limits, _predicted_usage(job.result.get("planner"), level.concurrency),
                                     _caps(s))
     level.warnings += workload_warnings(
-        workload.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
+        scenario.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
         work.size - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
     env = job.result["environment"]
@@ -488,8 +485,6 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
 def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch]) -> Optional[dict[str, Any]]:
     """The planner's prediction for the server that was launched, beside what will be measured
     (None if it cannot plan)."""
-    from kvexp.planning import calibration
-
     try:
         return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
                                   gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch)
@@ -500,8 +495,6 @@ def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelAr
 
 def _learn(res: dict[str, Any]) -> None:
     """Feed a finished job's engine-reported capacity into the calibration file."""
-    from kvexp.planning import calibration
-
     try:
         calibration.update([res])
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import aiohttp
+
+from kvexp.backends.base import connector
 
 DEFAULT_INTERVAL_S = 0.02
 
@@ -46,10 +51,6 @@ class Window:
 
 async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional[dict[str, str]],
                        interval_s: float) -> None:
-    import aiohttp
-
-    from kvexp.backends.base import connector  # (in the sampling process only)
-
     adapter.base_url = base_url
     timeout = aiohttp.ClientTimeout(total=max(1.0, 20 * interval_s))
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector()) as session:
@@ -81,8 +82,6 @@ async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional
 
 
 def _main(conn: Any, adapter: Any, base_url: str, headers: Optional[dict[str, str]], interval_s: float) -> None:
-    import os
-
     try:  # a sampler that wakes late misses peaks: ask for a little priority where allowed (root)
         os.nice(-5)
     except OSError:

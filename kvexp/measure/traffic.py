@@ -1,5 +1,5 @@
 """What each level sends, built against the server it is sent to: the scenario's workload
-(kvexp/workload/spec.py: lengths, shared prefixes, conversations, a dataset or a trace) made into requests
+(kvexp/workload/: lengths, shared prefixes, conversations, a dataset or a trace) made into requests
 of exact lengths as the server's own tokenizer counts them.
 
 Three ways to make a prompt, chosen by what the backend can do: token ids drawn from the ids the
@@ -19,10 +19,15 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp.workload import prompts, spec as workload
 from kvexp.backends.base import Adapter, Request
 from kvexp.core.config import ConfigError, ScenarioConfig
-from kvexp.measure.loadgen import RequestRecord
+from kvexp.metrics.records import RequestRecord
+from kvexp.workload import prompts, scenario
+from kvexp.workload.dataset import Entry, Message, load_dataset
+from kvexp.workload.files import resolve_path
+from kvexp.workload.lengths import dist_json, sample_lengths
+from kvexp.workload.prefixes import prefix_groups_of, prefix_tokens_of
+from kvexp.workload.trace import TraceRow, trace_offsets, trace_prompt, trace_rows
 
 Prompt = Any  # token ids, a text, or chat messages [{"role", "content"}]
 OUTPUT_SEED = 500_009  # output lengths are drawn from another stream than prompt lengths (seed + this)
@@ -49,13 +54,13 @@ class Traffic:
                  pool: Optional[list[int]]):
         self.backend, self.session, self.s, self.pool = backend, session, s, pool
         self.exact = backend.capabilities.exact_prompts
-        self.cache = workload.reuses_cache(s)  # ask the server to keep prompts (llama.cpp cache_prompt)
+        self.cache = scenario.reuses_cache(s)  # ask the server to keep prompts (llama.cpp cache_prompt)
         self.counter = 0
         self._prefixes: dict[int, Prompt] = {}
-        self.entries: list[workload.Entry] = []
+        self.entries: list[Entry] = []
         self.left_out = 0  # dataset entries over prompt_tokens
         self._reply_tokens: dict[str, int] = {}  # a dataset reply's length, as the server counts it
-        self.rows: list[workload.TraceRow] = []
+        self.rows: list[TraceRow] = []
 
     @classmethod
     async def create(cls, backend: Adapter, session: aiohttp.ClientSession, s: ScenarioConfig) -> "Traffic":
@@ -64,7 +69,7 @@ class Traffic:
             pool = await prompts.token_pool(backend, session, s.seed)
         self = cls(backend, session, s, pool)
         if s.trace:  # token-id prompts: app/checks.check_config refuses a trace without them
-            self.rows = workload.trace_rows(s)
+            self.rows = trace_rows(s)
         if s.dataset:
             await self._load_dataset()
         return self
@@ -73,9 +78,9 @@ class Traffic:
     def describe(self) -> dict[str, Any]:
         s = self.s
         out: dict[str, Any] = {
-            "kind": workload.kind(s),
-            "prompt_dist": workload.dist_json(s.prompt_dist, s.prompt_tokens),
-            "output_dist": workload.dist_json(s.output_dist, s.max_tokens),
+            "kind": scenario.kind(s),
+            "prompt_dist": dist_json(s.prompt_dist, s.prompt_tokens),
+            "output_dist": dist_json(s.output_dist, s.max_tokens),
             "prefix_tokens": s.prefix_tokens, "prefix_groups": s.prefix_groups if s.prefix_tokens else None,
             "turns": s.conversation.turns, "think_time_s": s.conversation.think_time_s,
             "prompt_mode": ("dataset text" if s.dataset else "token ids" if self.pool is not None else
@@ -84,11 +89,11 @@ class Traffic:
             "dataset": None, "trace": None,
         }
         if s.dataset:
-            out["dataset"] = {"file": str(workload.resolve_path(s.dataset)), "entries": len(self.entries),
+            out["dataset"] = {"file": str(resolve_path(s.dataset)), "entries": len(self.entries),
                               "left_out_over_prompt_tokens": self.left_out}
         if s.trace:
-            offsets = workload.trace_offsets(self.rows, s.time_scale)
-            out["trace"] = {"file": str(workload.resolve_path(s.trace)), "rows": len(self.rows),
+            offsets = trace_offsets(self.rows, s.time_scale)
+            out["trace"] = {"file": str(resolve_path(s.trace)), "rows": len(self.rows),
                             "time_scale": s.time_scale, "span_s": round(offsets[-1], 3) if offsets else None,
                             "block_tokens": s.trace_block_tokens}
         return out
@@ -101,20 +106,20 @@ class Traffic:
         if s.trace:  # a warm-up sends the trace's first rows, one after another
             return await self._trace_level(level, repeat, n if warmup else None)
         if s.conversation.turns > 1 and not warmup:
-            groups = workload.prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
+            groups = prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
             return LevelWork(conversations=[Conversation(self, i, level, repeat, seed, groups[i]) for i in range(n)])
         out = LevelWork()
         if s.dataset:
             for i in range(n):
                 entry = self.entries[i % len(self.entries)]
-                drawn = workload.sample_lengths(s.output_dist, s.max_tokens, 1, seed * 7919 + i)[0]
+                drawn = sample_lengths(s.output_dist, s.max_tokens, 1, seed * 7919 + i)[0]
                 rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup, source_line=entry.line,
                                     max_tokens=await self.output_length(entry.output_tokens, entry.reply, drawn))
                 out.requests.append((self.request(self._entry_prompt(entry.messages), rec), rec))
             return out
-        lengths = workload.sample_lengths(s.prompt_dist, s.prompt_tokens, n, seed)
-        outputs = workload.sample_lengths(s.output_dist, s.max_tokens, n, seed + OUTPUT_SEED)
-        groups = workload.prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
+        lengths = sample_lengths(s.prompt_dist, s.prompt_tokens, n, seed)
+        outputs = sample_lengths(s.output_dist, s.max_tokens, n, seed + OUTPUT_SEED)
+        groups = prefix_groups_of(n, s.prefix_groups, seed) if s.prefix_tokens else [None] * n
         for i in range(n):
             rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup, prefix_group=groups[i],
                                 target_prompt_tokens=lengths[i], max_tokens=outputs[i])
@@ -132,10 +137,10 @@ class Traffic:
         for i, row in enumerate(self.rows if warmup is None else self.rows[:warmup]):
             rec = RequestRecord(index=i, level=level, repeat=repeat, warmup=warmup is not None, source_line=row.line,
                                 target_prompt_tokens=row.input_length, max_tokens=row.output_length)
-            ids = workload.trace_prompt(row, self.pool, s.trace_block_tokens, s.seed, i)
+            ids = trace_prompt(row, self.pool, s.trace_block_tokens, s.seed, i)
             out.requests.append((self.request(ids, rec), rec))
         if warmup is None:
-            out.offsets_s = workload.trace_offsets(self.rows, s.time_scale)
+            out.offsets_s = trace_offsets(self.rows, s.time_scale)
         return out
 
     # ---- prompts
@@ -161,7 +166,7 @@ class Traffic:
         if group not in self._prefixes:
             s = self.s
             if self.pool is not None:
-                self._prefixes[group] = workload.prefix_tokens_of(self.pool, group, s.prefix_tokens, s.seed)
+                self._prefixes[group] = prefix_tokens_of(self.pool, group, s.prefix_tokens, s.seed)
             elif self.exact:
                 async def count(session: aiohttp.ClientSession, text: str) -> int:
                     return len(await self.backend.tokenize(session, text))
@@ -182,7 +187,7 @@ class Traffic:
         return await self.prompt(length, None, seed)
 
     # ---- datasets
-    def _entry_prompt(self, messages: tuple[workload.Message, ...]) -> Prompt:
+    def _entry_prompt(self, messages: tuple[Message, ...]) -> Prompt:
         if self.s.api == "chat":
             return [{"role": m.role, "content": m.content} for m in messages]
         return "\n\n".join(m.content for m in messages)
@@ -198,7 +203,7 @@ class Traffic:
 
     async def _load_dataset(self) -> None:
         s = self.s
-        entries = workload.load_dataset(workload.resolve_path(s.dataset or ""))
+        entries = load_dataset(resolve_path(s.dataset or ""))
         self.entries = [e for e in entries
                         if await self.prompt_length(self._entry_prompt(e.messages)) <= s.prompt_tokens]
         self.left_out = len(entries) - len(self.entries)
@@ -232,7 +237,7 @@ class Conversation:
         rng = random.Random(self.seed)
         self.entry = traffic.entries[index % len(traffic.entries)] if traffic.entries else None
         turns = s.conversation.turns
-        self.system: list[workload.Message] = []
+        self.system: list[Message] = []
         self.replies: list[Optional[str]] = []
         if self.entry is not None:
             turns = min(turns, len(self.entry.user_turns))
@@ -244,8 +249,8 @@ class Conversation:
         self.turns = turns
         mean = s.conversation.think_time_s
         self.think_s = [0.0] + [rng.expovariate(1 / mean) if mean > 0 else 0.0 for _ in range(turns - 1)]
-        self.lengths = workload.sample_lengths(s.prompt_dist, s.prompt_tokens, turns, self.seed)
-        self.outputs = workload.sample_lengths(s.output_dist, s.max_tokens, turns, self.seed + OUTPUT_SEED)
+        self.lengths = sample_lengths(s.prompt_dist, s.prompt_tokens, turns, self.seed)
+        self.outputs = sample_lengths(s.output_dist, s.max_tokens, turns, self.seed + OUTPUT_SEED)
         self.history: Any = None  # token ids, a text or messages
 
     async def turn(self, t: int, previous: Optional[RequestRecord]) -> tuple[Request, RequestRecord]:
@@ -277,7 +282,7 @@ class Conversation:
         given = self.entry.output_tokens if t == len(self.replies) - 1 else None
         return await self.traffic.output_length(given, self.replies[t], self.outputs[t])
 
-    async def _as_history(self, messages: list[workload.Message]) -> Any:
+    async def _as_history(self, messages: list[Message]) -> Any:
         tr = self.traffic
         if tr.s.api == "chat":
             return [{"role": m.role, "content": m.content} for m in messages]

@@ -17,7 +17,10 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 import aiohttp
 import psutil
 
-from kvexp.backends.base import BackendError
+from kvexp.backends.base import BackendError, Request
+from kvexp.measure.client import LevelRun
+from kvexp.measure.eventloop import loop_name
+from kvexp.metrics.records import RequestRecord
 
 T = TypeVar("T")
 CHECK_INTERVAL_S = 0.5
@@ -122,11 +125,9 @@ class ServerWatch:
         raise ServerHung(self.reason or "server hung")
 
 
-def hung_level_run(requests: list[tuple[Any, Any]], reason: str) -> Any:
+def hung_level_run(requests: list[tuple[Request, RequestRecord]], reason: str) -> LevelRun:
     """The level a hung server cut short, from the records this process holds: requests that ended
     keep what they measured, the others are timeouts (sent from worker processes, none came back)."""
-    from kvexp.measure.loadgen import LevelRun, loop_name
-
     records = [rec for _, rec in requests]
     for rec in records:
         if rec.done_s is None or rec.sent_s is None:

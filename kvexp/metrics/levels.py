@@ -7,10 +7,11 @@ ones when it checks documents that carry no warnings of their own."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 from kvexp.metrics import stats
+from kvexp.metrics.registry import is_num
 
 MIN_REQUESTS = 20  # fewer requests than this: percentiles are rough
 SPREAD_RATIO = 3.0  # TTFT p95 above this x p50: a wide spread
@@ -40,6 +41,10 @@ WARNING_CODES = {
     "turns_not_sent": "conversations ended early: turns after a failed one were not sent",
     "entries_repeat": "the dataset has fewer entries than the level's requests: entries repeat",
 }
+
+
+# code -> the short mark a report's table cell carries (the code itself where none is listed)
+TAGS = {"few_requests": f"n<{MIN_REQUESTS}", "ttft_spread": "spread", "unstable": "cv", "client_limited": "client"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,23 @@ class Level:
     turns: Optional[list[dict[str, Any]]] = None
     warnings: list[LevelWarning] = field(default_factory=list)
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Level":
+        """A level as a document holds it (kvexp's result.json, or another tool's level mapped onto kvexp's
+        keys): what it lacks is None (unknown), keys no field names are ignored; recorded warnings keep
+        their code, text and values (a plain-text warning of schema_version 1 gets the code "warn")."""
+        names = {f.name: f for f in fields(cls)}
+        kw: dict[str, Any] = {n: d.get(n) for n in names if n != "warnings"}
+        for n, f in names.items():
+            if kw.get(n) is None and f.default is not MISSING:
+                kw[n] = f.default
+            elif kw.get(n) is None and f.default_factory is not MISSING:  # type: ignore[misc]
+                kw[n] = f.default_factory()  # type: ignore[misc]
+        kw["warnings"] = [LevelWarning(str(w.get("code") or "warn"), str(w.get("text", "")),
+                                       dict(w.get("values") or {}))
+                          if isinstance(w, dict) else LevelWarning("warn", str(w)) for w in d.get("warnings") or []]
+        return cls(**kw)
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["warnings"] = [w.to_json() for w in self.warnings]
@@ -120,6 +142,15 @@ class Level:
             if out[key] is None:  # only where they apply (open loop, a failed level, the last repeat)
                 del out[key]
         return out
+
+
+def level_x(level: dict[str, Any]) -> Optional[tuple[str, float]]:
+    """Where a level of a result document sits: ("concurrency", c) closed loop, ("rate", r) open loop,
+    None when it names neither (another tool's level may not)."""
+    for kind in ("concurrency", "rate"):
+        if is_num(level.get(kind)):
+            return (kind, float(level[kind]))
+    return None
 
 
 def workload_warnings(reuses: bool, cache_reset: Optional[dict[str, Any]], after_others: bool,
@@ -150,21 +181,38 @@ def kv_peak(sampled: Optional[float], preemptions: Optional[float]) -> tuple[Opt
     return sampled, None
 
 
+def figure_warnings(level: Level, client_limits: Optional[Sequence[str]] = None) -> list[LevelWarning]:
+    """The checks a level's own figures allow: failed requests, too few requests, a wide TTFT spread, a
+    client that may have limited it (client_limits: what the load generator saw; None: only the
+    level's client_limited flag is known). The runner makes them while measuring (level_warnings);
+    analysis/flags.py makes them for a document's levels that carry no warnings of their own."""
+    w: list[LevelWarning] = []
+    if level.errors:
+        w.append(LevelWarning("errors", f"{level.errors:g} of {level.requests:g} requests failed",
+                              {"errors": level.errors, "requests": level.requests}))
+    if level.requests is not None and level.requests < MIN_REQUESTS:
+        w.append(LevelWarning("few_requests", f"only {level.requests:g} requests: percentiles are rough",
+                              {"requests": level.requests, "min_requests": MIN_REQUESTS}))
+    p50, p95 = level.ttft_p50_ms, level.ttft_p95_ms
+    if p50 and p95 and p95 > SPREAD_RATIO * p50:
+        w.append(LevelWarning("ttft_spread", f"wide TTFT spread: p95 {p95:.1f} ms is over {SPREAD_RATIO:g}x "
+                              f"p50 {p50:.1f} ms", {"ttft_p50_ms": p50, "ttft_p95_ms": p95}))
+    if client_limits or (client_limits is None and level.client_limited):
+        why = "; ".join(client_limits) + ": the client" if client_limits else "the client"
+        w.append(LevelWarning("client_limited", f"{why} may have limited this level (set client.workers)",
+                              {"loop_lag_p99_ms": level.loop_lag_p99_ms, "client_cpu_util": level.client_cpu_util}))
+    return w
+
+
 def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                    client_limits: Sequence[str] = (), predicted_kv_usage: Optional[float] = None,
                    held_back_by: Optional[str] = None) -> list[LevelWarning]:
-    """What qualifies a level's numbers. done: its successful requests (loadgen.RequestRecord), whose
+    """What qualifies a level's numbers. done: its successful requests (records.RequestRecord), whose
     realised lengths are checked against the ones each asked, where the backend forces them (a prompt
     only where its length was exact by construction); predicted_kv_usage: the planner's prediction for
     this level, the truth its measured KV usage is checked against; held_back_by: what the scenario
     itself caps an open loop with (max_concurrency, max_start_rate)."""
-    w: list[LevelWarning] = []
-    if level.errors:
-        w.append(LevelWarning("errors", f"{level.errors} of {level.requests} requests failed",
-                              {"errors": level.errors, "requests": level.requests}))
-    if level.requests < MIN_REQUESTS:
-        w.append(LevelWarning("few_requests", f"only {level.requests} requests: percentiles are rough",
-                              {"requests": level.requests, "min_requests": MIN_REQUESTS}))
+    w = figure_warnings(level, client_limits)
     if forced:
         prompt = [(r.prompt_tokens, r.target_prompt_tokens) for r in done
                   if r.target_prompt_tokens is not None and r.prompt_tokens is not None]
@@ -177,10 +225,6 @@ def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                 said = f"{asked[0]} tokens" if len(asked) == 1 else "the one it asked for"
                 w.append(LevelWarning(code, f"{len(bad)} requests had {what} other than {said}",
                                       {"requests": len(bad), "asked": asked[0] if len(asked) == 1 else None}))
-    p50, p95 = level.ttft_p50_ms, level.ttft_p95_ms
-    if p50 and p95 and p95 > SPREAD_RATIO * p50:
-        w.append(LevelWarning("ttft_spread", f"wide TTFT spread: p95 {p95:.1f} ms is over {SPREAD_RATIO:g}x "
-                              f"p50 {p50:.1f} ms", {"ttft_p50_ms": p50, "ttft_p95_ms": p95}))
     if level.peak_kv_cache_usage is not None and level.kv_usage_samples < MIN_KV_SAMPLES:
         w.append(LevelWarning("kv_undersampled", f"KV usage was sampled only {level.kv_usage_samples} times "
                               "in this level: its peak is a lower bound", {"samples": level.kv_usage_samples}))
@@ -210,10 +254,6 @@ def level_warnings(level: Level, done: Sequence[Any], forced: bool,
     if level.rate is not None and level.max_waiting:
         w.append(LevelWarning("server_queueing", f"up to {level.max_waiting} requests waited in the server's queue: "
                               "its slots, not the client, held them back", {"max_waiting": level.max_waiting}))
-    if client_limits:
-        w.append(LevelWarning("client_limited", "; ".join(client_limits) + ": the client may have limited "
-                              "this level (set client.workers)",
-                              {"loop_lag_p99_ms": level.loop_lag_p99_ms, "client_cpu_util": level.client_cpu_util}))
     planned, achieved = level.scheduled_rate, level.achieved_rate
     if planned and achieved is not None and achieved < RATE_SHORTFALL * planned:
         w.append(LevelWarning("rate_shortfall", f"requests started at {achieved:g}/s where the schedule asked "

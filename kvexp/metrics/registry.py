@@ -44,7 +44,8 @@ class Metric:
     exposure: bool = False  # a backend may not expose it: null reads "not exposed"
     repeated: bool = False  # summarised over a level's repeats (mean, 95 % CI, CV)
     spread: Optional[str] = None  # "ttft" | "tpot": the latency whose per-request spread is its noise
-    doc: str = ""
+    doc: str = ""  # the definition: docs/METRICS.md and the result schema's description carry it
+    stored: bool = True  # a key of result.json's levels (False: derived by the report from repeats)
 
     @property
     def header(self) -> str:
@@ -71,7 +72,7 @@ _TABLE: list[Metric] = [
     Metric("concurrency", "Concurrency", "", Fmt.int, doc="requests in flight (closed loop)"),
     Metric("rate", "Rate", "req/s", Fmt.fine, doc="requests started per second as scheduled (open loop)"),
     Metric("achieved_rate", "Achieved rate", "req/s", Fmt.fine, doc="requests started per second as sent"),
-    Metric("repeat", "Repeat", "", Fmt.int, doc="which repeat of the level (1 is the first)"),
+    Metric("repeat", "Repeat", "", Fmt.int, doc="which repeat of the level (0 is the first; tables count from 1)"),
     Metric("status", "Status", "", Fmt.text, doc="ok or failed"),
     Metric("requests", "Requests", "", Fmt.int, doc="requests measured (warm-up excluded)"),
     Metric("errors", "Errors", "", Fmt.int, "lower", doc="requests that failed or returned no token"),
@@ -115,7 +116,9 @@ _TABLE: list[Metric] = [
     Metric("max_waiting", "Max waiting", "", Fmt.int, doc="most requests waiting in the server's queue"),
     Metric("loop_lag_p99_ms", "Client loop lag p99", "ms", Fmt.coarse, "lower",
            doc="how late the load generator's event loop woke from 10 ms sleeps, p99"),
-    Metric("client_cpu_util", "Client CPU", "%", Fmt.pct, doc="busiest sending process's CPU, share of one core"),
+    Metric("client_cpu_util", "Client CPU", "%", Fmt.pct,
+           doc="CPU time over wall time of the busiest process that sent the level's requests "
+               "(1 = one core fully busy)"),
     # the server's own timing of the same requests, and how their tokens arrived
     Metric("server.ttft_mean_ms", "Server TTFT mean", "ms", Fmt.coarse, "lower",
            doc="the server's own time to first token, mean"),
@@ -132,10 +135,13 @@ _TABLE: list[Metric] = [
     Metric("prefix_cache.hit_rate", "Prefix-cache hits", "%", Fmt.pct, exposure=True,
            doc="prompt tokens the server served from its prefix cache / prompt tokens sent"),
     # over repeats, and what qualifies a level
-    Metric("repeats", "Repeats", "", Fmt.int, doc="how many times the level was measured"),
-    Metric("throughput_ci95", "Throughput CI95", "tok/s", Fmt.text,
+    Metric("repeats", "Repeats", "", Fmt.int,
+           doc="over a level's repeats, on the last repeat's entry: per figure its mean, 95 % CI half-width, CV "
+               "and n (tables show n)"),
+    Metric("throughput_ci95", "Throughput CI95", "tok/s", Fmt.text, stored=False,
            doc="95 % confidence interval of throughput over repeats (Student's t)"),
-    Metric("cv", "Throughput CV", "%", Fmt.pct, doc="coefficient of variation of throughput over repeats"),
+    Metric("cv", "Throughput CV", "%", Fmt.pct, stored=False,
+           doc="coefficient of variation of throughput over repeats"),
     Metric("client_limited", "Client-limited", "", Fmt.text, doc="the load generator may have limited the level"),
     Metric("warnings", "Warnings", "", Fmt.text, doc="what qualifies the level's numbers"),
 ]
@@ -217,3 +223,12 @@ def format_value(key: str, v: Any) -> str:
     if name.endswith(("_ms", "_tok_s", "_s", "_tokens", "_pct")):
         return format_as(Fmt.coarse, v)
     return format_as(Fmt.sig, v)
+
+
+def level_value(level: dict[str, Any], key: str) -> Any:
+    """A level's value by key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        return level.get(key)
+    inner = level.get(head)
+    return level_value(inner, rest) if isinstance(inner, dict) else None

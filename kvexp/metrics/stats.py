@@ -44,6 +44,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from kvexp.metrics import registry
+from kvexp.metrics.records import RequestRecord
 
 MS = 1000.0
 GIB = float(1 << 30)
@@ -84,22 +85,22 @@ def histogram(values: Sequence[float], bins: int = 10) -> list[dict]:
     return [{"lo": lo + i * width, "hi": min(hi, lo + (i + 1) * width - 1), "count": c} for i, c in enumerate(counts)]
 
 
-def ttft_s(r: Any) -> Optional[float]:
+def ttft_s(r: RequestRecord) -> Optional[float]:
     return None if r.first_token_s is None or r.sent_s is None else r.first_token_s - r.sent_s
 
 
-def e2e_s(r: Any) -> Optional[float]:
+def e2e_s(r: RequestRecord) -> Optional[float]:
     return None if r.done_s is None or r.sent_s is None else r.done_s - r.sent_s
 
 
-def tpot_s(r: Any) -> Optional[float]:
+def tpot_s(r: RequestRecord) -> Optional[float]:
     t, e = ttft_s(r), e2e_s(r)
     if t is None or e is None or not r.output_tokens or r.output_tokens < 2:
         return None
     return (e - t) / (r.output_tokens - 1)
 
 
-def itls_s(r: Any) -> list[float]:
+def itls_s(r: RequestRecord) -> list[float]:
     ts = r.token_times_s
     return [b - a for a, b in zip(ts, ts[1:])]
 
@@ -112,7 +113,7 @@ def _r(v: Optional[float], nd: int) -> Optional[float]:
     return None if v is None else round(v, nd)
 
 
-def summarize_level(records: Sequence[Any]) -> dict[str, Any]:
+def summarize_level(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The level's metrics in the output format (reference names, ms, tok/s)."""
     ok = [r for r in records if r.ok]
     starts = [r.sent_s for r in records if r.sent_s is not None]
@@ -158,7 +159,7 @@ def summarize_level(records: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def start_rate(records: Sequence[Any], scheduled: bool = False) -> Optional[float]:
+def start_rate(records: Sequence[RequestRecord], scheduled: bool = False) -> Optional[float]:
     """Requests started per second over the level: (n - 1) / (last start - first start), from the
     times they were sent (achieved) or, with scheduled, from the open-loop schedule (asked)."""
     ts = sorted(t for r in records if (t := (r.scheduled_s if scheduled else r.sent_s)) is not None)
@@ -167,7 +168,7 @@ def start_rate(records: Sequence[Any], scheduled: bool = False) -> Optional[floa
     return round((len(ts) - 1) / (ts[-1] - ts[0]), 3)
 
 
-def meets_slo(r: Any, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
+def meets_slo(r: RequestRecord, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
     if not r.ok:
         return False
     t, p = ttft_s(r), tpot_s(r)
@@ -178,7 +179,7 @@ def meets_slo(r: Any, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]
     return True
 
 
-def goodput(records: Sequence[Any], slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float],
+def goodput(records: Sequence[RequestRecord], slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float],
             wall_s: Optional[float]) -> Optional[float]:
     """Requests per second that met every objective given (None when no objective or no wall time)."""
     if (slo_ttft_ms is None and slo_tpot_ms is None) or not wall_s:
@@ -193,7 +194,7 @@ BURST_TOKENS_PER_CHUNK = 1.5
 BURST_CHUNK_SHARE = 0.25
 
 
-def delivery(records: Sequence[Any]) -> dict[str, Any]:
+def delivery(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """How the successful requests' tokens arrived: chunks (reads), tokens per chunk, the share of
     multi-token chunks, and whether the level was streamed in bursts (see the module's docstring)."""
     chunks = multi = tokens = 0
@@ -316,7 +317,7 @@ def _num(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(float(x), 3)
 
 
-def workload_view(records: Sequence[Any], timed: bool) -> dict[str, Any]:
+def workload_view(records: Sequence[RequestRecord], timed: bool) -> dict[str, Any]:
     """A level's workload as asked and as the server counted it: prompt and output lengths (asked
     where the request asked an exact one; realised over the successful requests), how many prompts came
     out exactly as asked, and for a timed schedule (a trace) how far the sends were from their times
@@ -341,10 +342,10 @@ def workload_view(records: Sequence[Any], timed: bool) -> dict[str, Any]:
     return out
 
 
-def turn_table(records: Sequence[Any], cached: Sequence[Optional[float]]) -> list[dict[str, Any]]:
+def turn_table(records: Sequence[RequestRecord], cached: Sequence[Optional[float]]) -> list[dict[str, Any]]:
     """Per turn of a level's conversations: requests, mean prompt tokens (they grow with the history),
     mean prompt tokens the server served from its cache (None: not stated), TTFT p50 (ms)."""
-    rows: dict[int, list[tuple[Any, Optional[float]]]] = {}
+    rows: dict[int, list[tuple[RequestRecord, Optional[float]]]] = {}
     for r, c in zip(records, cached):
         if r.turn is not None:
             rows.setdefault(r.turn, []).append((r, c))

@@ -18,20 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-from kvexp.core.paths import atomic_write
-from kvexp.capacity.planner import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_OVERHEAD_GIB,
-    GIB_BYTES,
-    ModelArch,
-    canonical_kv_dtype,
-    capacity_from_kv_bytes,
-    kv_bytes_per_element,
-    kv_bytes_per_token,
-    overhead_for_capacity,
-    vllm_capacity_tokens,
-)
+from kvexp.backends import find
+from kvexp.capacity.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_OVERHEAD_GIB, GIB_BYTES,
+                                    ModelArch, canonical_kv_dtype, capacity_from_kv_bytes, kv_bytes_per_element,
+                                    kv_bytes_per_token, overhead_for_capacity, vllm_capacity_tokens)
+from kvexp.core.paths import atomic_write, cache_dir
 
 SCHEMA_VERSION = 1
 KIND = "kvexp-calibration"
@@ -72,8 +63,6 @@ class Measurement:
     @property
     def paged(self) -> bool:
         """The backend sizes a paged KV pool from memory (vLLM): its capacity is a prediction to check."""
-        from kvexp.backends import find
-
         adapter = find(self.backend)
         return adapter is not None and adapter.cache_model.paged
 
@@ -335,8 +324,6 @@ def default_path() -> Path:
     env = os.environ.get(ENV_PATH)
     if env:
         return Path(os.path.expanduser(env))
-    from kvexp.core.paths import cache_dir
-
     return cache_dir() / "calibration.json"
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from kvexp.capacity import modelinfo, planner
-from kvexp.workload import spec as workload
 from kvexp.backends import adapter_class
 from kvexp.backends.base import ServerSpec
-from kvexp.planning.calibration import lookup_overhead_gib
-from kvexp.core.config import ExperimentConfig
+from kvexp.capacity import modelinfo, planner
 from kvexp.capacity.planner import ModelArch
+from kvexp.core.config import ExperimentConfig
+from kvexp.planning.calibration import lookup_overhead_gib
+from kvexp.workload import scenario
 
 
 def scenario_levels(cfg: ExperimentConfig) -> list[int]:
@@ -59,10 +59,10 @@ def predict(cfg: ExperimentConfig, spec: ServerSpec, *, gpu_name: Optional[str] 
                          levels=scenario_levels(cfg), calibrated_overhead_gib=cal,
                          shared_prefix_tokens=s.prefix_tokens, prefix_groups=s.prefix_groups)
 
-    mean, longest = workload.mean_lengths(s), workload.longest_request(s)
+    mean, longest = scenario.mean_lengths(s), scenario.longest_request(s)
     out = plan(mean)
     if tuple(map(round, mean)) != longest:  # lengths vary: the mean plans, the longest bounds the peak
-        out["sources"]["prompt_tokens"] = f"mean of the {workload.kind(s)} workload's lengths (kvexp/workload/)"
+        out["sources"]["prompt_tokens"] = f"mean of the {scenario.kind(s)} workload's lengths (kvexp/workload/)"
         for row, top in zip(out["levels"], plan(longest)["levels"]):
             row["predicted_kv_usage_max"] = top["predicted_kv_usage"]
     if gpu is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from kvexp.backends import find
 from kvexp.capacity import planner
 from kvexp.capacity.planner import CacheModel, ModelArch
 
@@ -102,8 +103,6 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Mapping[str, Any],
     """Recompute one calibration row. cache_for: backend name -> CacheModel or None (default: the
     adapter registry's declared cache models)."""
     if cache_for is None:
-        from kvexp.backends import find
-
         def cache_for(name: Optional[str]) -> Optional[CacheModel]:
             a = find(name)
             return a.cache_model if a is not None else None

@@ -25,8 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+import yaml
+
 from kvexp.capacity import planner
 from kvexp.capacity.planner import CacheModel, ModelArch
+from kvexp.core.paths import data_dir
+from kvexp.planning.calibration import _norm, lookup_overhead_gib
 
 USER_SET = "backend."  # a source that starts with this was set by the user (backend.block_size, ...)
 
@@ -42,10 +46,6 @@ class GPUPreset:
 
 def gpu_presets(conf_dir: Optional[Path] = None) -> list[GPUPreset]:
     """Every conf/gpu preset with a memory size (not `auto`), smallest memory first."""
-    import yaml
-
-    from kvexp.core.paths import data_dir
-
     folder = (conf_dir or data_dir("conf")) / "gpu"
     out = []
     for p in sorted(folder.glob("*.yaml")):
@@ -79,8 +79,6 @@ def overhead_for(table: Optional[Mapping[str, Any]], backend: str, gpu_name: Opt
     """(fitted overhead GiB, where it was measured) for a (backend, GPU, KV dtype): the GPU's own fit
     when there is one, else the mean of the same backend and KV dtype's fits on other GPUs; (None,
     None) when this machine measured neither."""
-    from kvexp.planning.calibration import _norm, lookup_overhead_gib
-
     kv = planner.canonical_kv_dtype(kv_dtype, dtype_bytes)
     own = lookup_overhead_gib(table, backend, gpu_name, kv)
     if own is not None:

@@ -1,5 +1,6 @@
 """Pure maths of quality measurements: how far a KV dtype moves a model's next-token distributions
-from the 16-bit KV cache's. No I/O; quality.py gathers the numbers and this module reduces them.
+from the 16-bit KV cache's. No I/O; the measuring modules of kvexp/quality gather the numbers and
+this module reduces them.
 
 Definitions (nats throughout; P is the baseline's next-token distribution, Q the candidate's, at the
 same position of the same token sequence):

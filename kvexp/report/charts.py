@@ -19,18 +19,22 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
+from kvexp.backends import find
+
 _PALETTE = (
     # tab10, then the lighter halves of tab20, then tab20b: distinct first, similar only past 30 runs.
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
     "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
     "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#a55194",
 )
+
+
 def marker(backend: Any) -> str:
     """A backend's chart marker (its adapter's chart_marker; a diamond for other tools' backends)."""
-    from kvexp.backends import find
-
     adapter = find(backend)
     return adapter.chart_marker if adapter else "D"
+
+
 MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
 MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
 FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page

@@ -12,6 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Union
 
+from kvexp.analysis.aggregate import collect
+from kvexp.report.tables import level_table
+
 PathLike = Union[str, Path]
 
 
@@ -26,9 +29,6 @@ def _paths(paths: Union[PathLike, Iterable[PathLike]]) -> list[Path]:
 def results_table(paths: Union[PathLike, Iterable[PathLike]]) -> tuple[list[str], list[list[Any]]]:
     """(column names, rows) of every level found in `paths`; raises kvexp.results.store.ResultError with one
     line for a file kvexp cannot read."""
-    from kvexp.report.render import level_table
-    from kvexp.results.store import collect
-
     return level_table(collect(_paths(paths)))
 
 
@@ -36,7 +36,7 @@ def results_frame(paths: Union[PathLike, Iterable[PathLike]]) -> Any:
     """A pandas DataFrame, one row per level, the columns of comparison.csv (missing values are None/NaN,
     never 0)."""
     try:
-        import pandas as pd
+        import pandas as pd  # lazy: an optional extra (kvexp[frame]); without it, say how to install it
     except ImportError:
         raise FrameUnavailable("results_frame needs pandas: pip install 'kvexp[frame]' (or pandas)") from None
     head, rows = results_table(paths)

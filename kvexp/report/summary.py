@@ -1,6 +1,8 @@
 """Markdown summaries: one per job (next to its result.json) and one per sweep, with the repeats of a
 level as mean, 95 % confidence interval and coefficient of variation, and the sweep's time broken
-down into server starts, warm-up, measurement and the rest."""
+down into server starts, warm-up, measurement and the rest. Their level columns are registry keys
+(kvexp.metrics.registry: header, format and missing-value rule); the Markdown goes through the one Jinja
+environment (kvexp.report.templating). Also the planner's tables of `kvexp plan`."""
 
 from __future__ import annotations
 
@@ -9,72 +11,73 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import jinja2
+from jinja2 import Environment
 
+from kvexp import backends
+from kvexp.analysis.aggregate import collect
+from kvexp.analysis.documents import run_status
 from kvexp.core.config import ConfigError, ExperimentConfig
-from kvexp.analysis.findings import level_value
-from kvexp.report.markdown import md_code, md_escape
-from kvexp.core.paths import data_dir
-from kvexp.results.store import RESULT_FILE, ResultError, collect, load_document, write_json
+from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
+from kvexp.planning import prediction, whatif
+from kvexp.report.tables import Table, header, numeric
+from kvexp.report.templating import environment
+from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
-COLUMNS = [  # (key, header) in the reference document's order, then kvexp's additions
-    ("concurrency", "concurrency"), ("requests", "requests"), ("errors", "errors"),
-    ("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p95_ms", "TTFT p95 ms"),
-    ("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("itl_p50_ms", "ITL p50 ms"),
-    ("e2e_p50_ms", "E2E p50 ms"), ("peak_vram_gib", "peak VRAM GiB"), ("peak_rss_gib", "server RSS GiB"),
-    ("peak_kv_cache_usage", "peak KV usage"), ("preemptions", "preemptions"),
-    ("mean_prompt_tokens", "mean prompt tok"), ("mean_output_tokens", "mean output tok"), ("wall_s", "wall s"),
-]
+# The level tables' columns, registry keys: the reference document's, then kvexp's additions.
+COLUMNS = ("concurrency", "requests", "errors", "throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms",
+           "tpot_p50_ms", "itl_p50_ms", "e2e_p50_ms", "peak_vram_gib", "peak_rss_gib", "peak_kv_cache_usage",
+           "preemptions", "mean_prompt_tokens", "mean_output_tokens", "wall_s")
 # shown only when some level of the job has them
-OPTIONAL_COLUMNS = [("repeat", "repeat"), ("goodput_req_s", "goodput req/s"),
-                    ("client_queue_p99_ms", "client queue p99 ms"),
-                    ("server.tpot_p50_ms", "server TPOT p50 ms"), ("server.tpot_mean_ms", "server TPOT mean ms"),
-                    ("delivery.tokens_per_chunk", "tokens/chunk")]
-NOT_EXPOSED = {"peak_kv_cache_usage", "preemptions", "peak_vram_gib"}
-REPEAT_COLUMNS = [("throughput_tok_s", "tok/s"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-                  ("tpot_p50_ms", "TPOT p50 ms"), ("itl_p50_ms", "ITL p50 ms"), ("goodput_req_s", "goodput req/s")]
+OPTIONAL_COLUMNS = ("repeat", "goodput_req_s", "client_queue_p99_ms", "server.tpot_p50_ms", "server.tpot_mean_ms",
+                    "delivery.tokens_per_chunk")
+# figures summarised over a level's repeats (each in registry.REPEATED), then how many repeats
+REPEAT_COLUMNS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "goodput_req_s")
+LEVEL_HEADER = "Level"  # the repeats table's first column: a level's concurrency or rate (not a metric)
 
 
-def columns_for(levels: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def columns_for(levels: list[dict[str, Any]]) -> list[str]:
     """COLUMNS, then the optional ones some level has (repeat: only when a level was repeated)."""
-    extra = [(k, h) for k, h in OPTIONAL_COLUMNS
-             if any((lv.get(k) or 0) > 0 if k == "repeat" else level_value(lv, k) is not None for lv in levels)]
-    return COLUMNS[:1] + [c for c in extra if c[0] == "repeat"] + COLUMNS[1:] + [c for c in extra if c[0] != "repeat"]
+    extra = [k for k in OPTIONAL_COLUMNS if any((lv.get(k) or 0) > 0 if k == "repeat"
+                                                else registry.level_value(lv, k) is not None for lv in levels)]
+    return [COLUMNS[0], *(k for k in extra if k == "repeat"), *COLUMNS[1:], *(k for k in extra if k != "repeat")]
 
 
-def cell(level: dict[str, Any], key: str) -> str:
-    v = level_value(level, key)
-    if key == "concurrency" and v is None and level.get("rate") is not None:
+def level_name(level: dict[str, Any]) -> str:
+    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
+    if level.get("concurrency") is None and level.get("rate") is not None:
         achieved = level.get("achieved_rate")
         return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    return registry.format_value("concurrency", level.get("concurrency"))
+
+
+def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
+    """One level figure (registry.format_value); a null one by registry.missing_text: `failed` when the
+    level or its run failed, `exposed` when another level of the run has the figure."""
+    if key == "concurrency":
+        return level_name(level)
+    v = registry.level_value(level, key)
     if key == "repeat" and isinstance(v, int):
         return str(v + 1)
     if v is None:
-        return "not exposed" if key in NOT_EXPOSED else "—"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return md_escape(v)
+        return registry.missing_text(key, level_failed=failed, exposed_elsewhere=exposed, foreign=foreign)
+    return registry.format_value(key, v)
 
 
-def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
-                             autoescape=False, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters["cell"] = cell
-    env.filters["md"] = lambda v: "—" if v is None else md_escape(v)
-    env.filters["md_code"] = md_code
-    env.filters["rep"] = repeat_cell
-    env.filters["seconds"] = lambda v: "—" if v is None else f"{v:.1f}"
-    env.globals.update(columns_for=columns_for, repeat_columns=REPEAT_COLUMNS, unstable_cv=UNSTABLE_CV)
-    return env
+def levels_table(levels: list[dict[str, Any]], status: Optional[str], foreign: bool = False) -> Table:
+    """A run's levels, one row each, in the columns of columns_for; `status` is the run's."""
+    keys = columns_for(levels)
+    exposed = {k: any(registry.is_num(registry.level_value(lv, k)) for lv in levels) for k in keys}
+    rows = [[cell(lv, k, failed=status in ("failed", "skipped") or lv.get("status") == "failed",
+                  exposed=exposed[k], foreign=foreign) for k in keys] for lv in levels]
+    return Table([header(k) for k in keys], rows, [numeric(k) for k in keys])
 
 
 def repeat_cell(level: dict[str, Any], key: str) -> str:
     """A figure over a level's repeats: mean ± 95 % CI (CV), flagged when unstable."""
     r = (level.get("repeats") or {}).get(key)
     if not isinstance(r, dict) or r.get("mean") is None:
-        return "—"
+        return registry.UNKNOWN
     text = f"{r['mean']:.4g}"
     if r.get("ci95") is not None:
         text += f" ± {r['ci95']:.2g}"
@@ -85,8 +88,33 @@ def repeat_cell(level: dict[str, Any], key: str) -> str:
     return text
 
 
+def repeats_table(levels: list[dict[str, Any]]) -> Optional[Table]:
+    """The levels measured more than once: REPEAT_COLUMNS over their repeats and how many; None if none."""
+    rows = [[level_name(lv), *(repeat_cell(lv, k) for k in REPEAT_COLUMNS),
+             registry.format_value("repeats", (lv["repeats"].get("throughput_tok_s") or {}).get("n"))]
+            for lv in levels if lv.get("repeats")]
+    if not rows:
+        return None
+    return Table([LEVEL_HEADER, *(header(k) for k in REPEAT_COLUMNS), header("repeats")], rows,
+                 [True] * (len(REPEAT_COLUMNS) + 2))
+
+
+def run_tables(aggregate: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run of an aggregate that has levels: its label, level table and repeats table."""
+    return [{"label": run.get("label"), "levels": levels_table(run["levels"], run_status(run), bool(run.get("tool"))),
+             "repeats": repeats_table(run["levels"])} for run in aggregate.get("runs") or [] if run.get("levels")]
+
+
+def _env() -> Environment:
+    """The shared environment (kvexp.report.templating) with the summaries' own filters and globals."""
+    return environment(filters={"level_name": level_name, "seconds": lambda v: "—" if v is None else f"{v:.1f}"},
+                       globals={"unstable_cv": UNSTABLE_CV})
+
+
 def render_job_summary(result: dict[str, Any]) -> str:
-    return _env().get_template("summary.md.j2").render(r=result, columns=columns_for(result["levels"]))
+    levels = result["levels"]
+    return _env().get_template("summary.md.j2").render(r=result, levels=levels_table(levels, result.get("status")),
+                                                        repeats=repeats_table(levels))
 
 
 def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:
@@ -178,7 +206,7 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
 
 
 def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list[Path]:
-    """The sweep's aggregate JSON, its Markdown summary and (where available) the full report."""
+    """The sweep's aggregate JSON, its Markdown summary and the full report."""
     agg = collect([sweep_dir])
     written = []
     path = sweep_dir / "sweep.json"
@@ -186,12 +214,10 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list
     written.append(path)
     path = sweep_dir / "summary.md"
     timing = sweep_timing(job_results(sweep_dir), wall_s)
-    path.write_text(_env().get_template("sweep.md.j2").render(a=agg, timing=timing))
+    path.write_text(_env().get_template("sweep.md.j2").render(a=agg, runs=run_tables(agg), timing=timing))
     written.append(path)
-    try:
-        from kvexp.report.render import render_report
-    except ImportError:
-        return written
+    from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
+
     written += list(render_report(agg, sweep_dir / "report").values())
     return written
 
@@ -220,9 +246,6 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
 
     Each config's server is resolved by its adapter without launching anything (a program that is
     not installed is no obstacle to planning); each model's architecture is read once."""
-    from kvexp import backends
-    from kvexp.planning import prediction
-
     archs: dict[tuple[str, str], Any] = {}
     lines = [
         "| model | backend | kv | scenario | bytes/token | capacity tokens | blocks | peak GiB | max conc. | "
@@ -237,11 +260,7 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
             lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 9)
             continue
         try:
-            spec = backends.create(cfg, locate=False).spec
-            key = (cfg.model.name, cfg.backend.name)
-            if key not in archs:
-                archs[key] = prediction.model_arch(cfg, spec)
-            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+            spec, p = _predicted(cfg, calibration, archs)
         except (ConfigError, ValueError) as e:
             lines.append(head + f"| {e} |" + " |" * 9)
             continue
@@ -270,13 +289,19 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
     return "\n".join(lines + ["", legend, ""] + notes) + "\n"
 
 
+def _predicted(cfg: ExperimentConfig, calibration: dict | None, archs: dict[tuple[str, str], Any]) -> tuple[Any, dict]:
+    """A config's launch spec and the planner's prediction for it (one model read per model and backend)."""
+    spec = backends.create(cfg, locate=False).spec
+    key = (cfg.model.name, cfg.backend.name)
+    if key not in archs:
+        archs[key] = prediction.model_arch(cfg, spec)
+    return spec, prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+
+
 def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
     """The what-if table of `kvexp plan` over several GPUs: for each config (its gpu= preset), the KV
     tokens and the concurrent requests of its scenario that fit before preemption or queueing,
     uncalibrated and with the overhead this machine measured (kvexp/planning/whatif.py)."""
-    from kvexp import backends
-    from kvexp.planning import prediction, whatif
-
     archs: dict[tuple[str, str], Any] = {}
     rows: list[tuple[dict[str, Any], Optional[str]]] = []
     problems: list[str] = []
@@ -284,11 +309,7 @@ def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         if cfg.kv.per_backend.get(cfg.backend.name) is None:
             continue  # the plan table above says why
         try:
-            spec = backends.create(cfg, locate=False).spec
-            key = (cfg.model.name, cfg.backend.name)
-            if key not in archs:
-                archs[key] = prediction.model_arch(cfg, spec)
-            p = prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+            spec, p = _predicted(cfg, calibration, archs)
         except (ConfigError, ValueError):
             continue
         gpu = whatif.GPUPreset(cfg.gpu.name or "auto", cfg.gpu.name, cfg.gpu.memory_gib)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 VLLM, GUIDELLM, AIPERF = "vllm-bench", "guidellm", "aiperf"
@@ -92,7 +93,7 @@ class ForeignFormatError(ValueError):
 
 
 @dataclass
-class Level:
+class ForeignLevel:
     """One level read from a foreign file, with what groups it into a run."""
 
     tool: str
@@ -197,7 +198,7 @@ def _x(concurrency: Any, rate: Any) -> tuple[Optional[int], Optional[float]]:
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
-def vllm_level(doc: dict, source: str, where: str = "$") -> Level:
+def vllm_level(doc: dict, source: str, where: str = "$") -> ForeignLevel:
     """One `vllm bench serve --save-result` object as one level."""
     completed = _need(doc, "completed", where, _int)
     failed = _int(doc.get("failed"))
@@ -236,7 +237,7 @@ def vllm_level(doc: dict, source: str, where: str = "$") -> Level:
     endpoint = doc.get("backend") or doc.get("endpoint_type")
     label = str(doc.get("label") or "")
     named = label if label and label != endpoint else model  # the label defaults to the endpoint type
-    return Level(VLLM, (VLLM, label, model, endpoint), named, model,
+    return ForeignLevel(VLLM, (VLLM, label, model, endpoint), named, model,
                  _compact(lv), source, _vllm_date(doc.get("date")), None, NOTES[VLLM], not_recorded,
                  (_order(lv), str(doc.get("date") or "")))
 
@@ -260,7 +261,7 @@ def _pct(d: Optional[dict], p: str, scale: float = 1.0) -> Optional[float]:
     return None if v is None else v * scale
 
 
-def guidellm_levels(doc: dict, source: str) -> list[Level]:
+def guidellm_levels(doc: dict, source: str) -> list[ForeignLevel]:
     """Every benchmark of a GuideLLM report as one level of one run."""
     meta = doc.get("metadata") or {}
     version = meta.get("guidellm_version")
@@ -295,7 +296,7 @@ def guidellm_levels(doc: dict, source: str) -> list[Level]:
         lv["status"] = "ok" if ok else "failed"
         lv["status_reason"] = None if ok else "no request succeeded"
         started = _epoch_text(b.get("start_time"))
-        out.append(Level(GUIDELLM, (GUIDELLM, source), "guidellm", model, _compact(lv), source, started, version,
+        out.append(ForeignLevel(GUIDELLM, (GUIDELLM, source), "guidellm", model, _compact(lv), source, started, version,
                          NOTES[GUIDELLM], NOT_RECORDED[GUIDELLM], (_order(lv), i), _guidellm_asked(doc)))
     return out
 
@@ -329,12 +330,10 @@ def _guidellm_model(doc: dict) -> str:
 
 
 def _epoch_text(t: Any) -> Optional[str]:
-    import datetime as _dt
-
     v = _num(t)
     if v is None or v <= 0:
         return None
-    return _dt.datetime.fromtimestamp(v, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.fromtimestamp(v, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 # ---------------------------------------------------------------------------------------------- AIPerf
@@ -355,7 +354,7 @@ def _metric(doc: dict, key: str, stat: str, time: Optional[str] = None) -> Optio
     return v if factor == 1.0 else v * factor
 
 
-def aiperf_level(doc: dict, source: str) -> Level:
+def aiperf_level(doc: dict, source: str) -> ForeignLevel:
     """One AIPerf profile export as one level."""
     cfg = _obj(doc.get("input_config"))
     endpoint = _obj(cfg.get("endpoint"))
@@ -397,7 +396,7 @@ def aiperf_level(doc: dict, source: str) -> Level:
     started = doc.get("start_time")
     started = str(started).replace("T", " ")[:16] if isinstance(started, str) else None
     version = doc.get("aiperf_version") if isinstance(doc.get("aiperf_version"), str) else None
-    return Level(AIPERF, group, "aiperf", model, _compact(lv), source, started, version, notes,
+    return ForeignLevel(AIPERF, group, "aiperf", model, _compact(lv), source, started, version, notes,
                  NOT_RECORDED[AIPERF], (_order(lv), started or ""), _aiperf_asked(cfg))
 
 
@@ -457,7 +456,7 @@ def _compact(lv: dict) -> dict:
     return {k: v for k, v in lv.items() if k in required or v is not None}
 
 
-def levels_of(doc: Any, source: str) -> list[Level]:
+def levels_of(doc: Any, source: str) -> list[ForeignLevel]:
     """The levels of one parsed file (a list for a JSON-lines vLLM file); ForeignFormatError when it
     cannot be mapped."""
     tool = sniff(doc)
@@ -471,10 +470,10 @@ def levels_of(doc: Any, source: str) -> list[Level]:
     raise ForeignFormatError(EXPECTED)
 
 
-def runs_of(levels: list[Level]) -> list[dict[str, Any]]:
+def runs_of(levels: list[ForeignLevel]) -> list[dict[str, Any]]:
     """Levels grouped into runs of the aggregate shape (one run per tool and group), levels ordered by
     concurrency or rate; two levels at the same value become repeats 0, 1, ... in time order."""
-    groups: dict[tuple[Any, ...], list[Level]] = {}
+    groups: dict[tuple[Any, ...], list[ForeignLevel]] = {}
     for lv in levels:
         groups.setdefault(lv.group, []).append(lv)
     runs = []
@@ -493,7 +492,7 @@ def runs_of(levels: list[Level]) -> list[dict[str, Any]]:
     return runs
 
 
-def _run(members: list[Level], levels: list[dict]) -> dict[str, Any]:
+def _run(members: list[ForeignLevel], levels: list[dict]) -> dict[str, Any]:
     first = members[0]
     prompts = [lv["mean_prompt_tokens"] for lv in levels if _num(lv.get("mean_prompt_tokens")) is not None]
     outputs = [lv["mean_output_tokens"] for lv in levels if _num(lv.get("mean_output_tokens")) is not None]

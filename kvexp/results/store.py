@@ -1,6 +1,7 @@
 """Versioned result files: written atomically after validation, read back with a version check, and
-gathered from any mix of sweep folders, job folders and files into one aggregate. A job folder's
-result can also be taken up again (resume): its finished levels and their requests are kept."""
+found in any mix of sweep folders, job folders and files (kvexp.analysis.aggregate gathers them into one
+aggregate). A job folder's result can also be taken up again (resume): its finished levels and their
+requests are kept."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ import socket
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
-from kvexp.core import __version__
-from kvexp.core import machine
+import aiohttp
+
+from kvexp.core import __version__, machine
+from kvexp.core.config import to_plain
 from kvexp.core.paths import atomic_write
-from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json, read_bounded,
-                            validate_document)
+from kvexp.metrics.levels import level_x
+from kvexp.results import foreign
+from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json,
+                                    read_bounded, validate_document)
 
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
@@ -40,8 +45,6 @@ def spec_of(cfg: Any) -> dict[str, Any]:
     """A job's resolved config as results record it: what it measures, without where it writes, whether
     it resumed, or the name of the variable holding an API key (none of these differ between runs of
     one spec)."""
-    from kvexp.core.config import to_plain
-
     plain = to_plain(cfg)
     plain.pop("output_dir", None)
     plain.pop("resume", None)
@@ -55,8 +58,6 @@ def spec_hash(cfg: Any) -> str:
 
 def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Best-effort facts about where a run happened."""
-    import aiohttp
-
     env: dict[str, Any] = {
         "kvexp_version": __version__,
         "hostname": socket.gethostname(),
@@ -135,8 +136,6 @@ def load_any(path: Path) -> tuple[str, Any]:
     """Any file kvexp reads: ("result" | "aggregate", the checked document), or ("foreign", the parsed
     JSON) for another tool's result recognised by its shape (kvexp.results.foreign). A file of no known shape is
     refused with one line saying what was expected."""
-    from kvexp.results import foreign
-
     try:
         doc = load_json(path)
     except ResultError:
@@ -166,11 +165,6 @@ def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
     return kind, doc
 
 
-def level_value(level: dict[str, Any]) -> float:
-    """A level's concurrency (closed loop) or rate (open loop): what requests.jsonl calls `level`."""
-    return level["concurrency"] if level.get("concurrency") is not None else level["rate"]
-
-
 def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
     """The result already in a job folder, to resume it: None when there is none. Raises ResultError
     when it cannot be read or comes from a different spec (its levels must not be mixed with new ones)."""
@@ -190,7 +184,7 @@ def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, l
     ok: dict[float, dict[int, dict[str, Any]]] = {}
     for lv in levels:
         if lv["status"] == "ok":
-            ok.setdefault(level_value(lv), {}).setdefault(lv["repeat"], lv)
+            ok.setdefault(level_x(lv)[1], {}).setdefault(lv["repeat"], lv)
     return {v: [by_rep[r] for r in range(repeats)] for v, by_rep in ok.items()
             if all(r in by_rep for r in range(repeats))}
 
@@ -232,8 +226,6 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
 
 def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
     """Other tools' result files in a folder tree, outside kvexp's job folders and their reports."""
-    from kvexp.results import foreign
-
     out = []
     for f in sorted(folder.rglob("*.json")):
         if f.name in (RESULT_FILE, "sweep.json", "comparison.json") or any(d in f.parents for d in job_dirs):
@@ -245,129 +237,3 @@ def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
         if foreign.sniff(doc) is not None:
             out.append(f)
     return out
-
-
-def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
-    """A job result as one run of the aggregate shape."""
-    kv_cache = {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None,
-                **result["kv_cache"]}
-    started = result.get("started_at") or ""
-    return {
-        "label": result["label"],
-        "backend": result["backend"]["name"],
-        "model": result["model"].get("path") or result["model"]["name"],
-        "scenario": result["scenario"]["name"],
-        "prompt_tokens": result["scenario"]["prompt_tokens"],
-        "max_tokens": result["scenario"]["max_tokens"],
-        "started_at": started.replace("T", " ")[:16] + " UTC" if started else None,
-        "gpu": result["gpu"].get("name"),
-        "gpu_gib": result["gpu"].get("memory_gib"),
-        "kv_cache": kv_cache,
-        "levels": result["levels"],
-        "status": result["status"],
-        "status_reason": result.get("status_reason"),
-        "backend_version": result["backend"].get("version"),
-        "launch_command": result["backend"].get("launch_command"),
-        "variable_length": result["scenario"]["variable_length"],
-        "kv_requested": result["kv"]["requested"],
-        "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
-        "numerics": (result.get("server") or {}).get("numerics"),
-        "reused_server": result["backend"]["reused_server"],
-        "planner": result.get("planner"),
-        "quality": result.get("quality"),
-        "workload": result.get("workload"),
-        "source": source,
-        "search": result.get("search"),
-        "slo": slo_of(result),
-    }
-
-
-def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The job's latency objectives ({slo_ttft_ms, slo_tpot_ms, percentile}; None when it set none)."""
-    s = (result.get("config") or {}).get("scenario") or {}
-    if s.get("slo_ttft_ms") is None and s.get("slo_tpot_ms") is None:
-        return None
-    return {"slo_ttft_ms": s.get("slo_ttft_ms"), "slo_tpot_ms": s.get("slo_tpot_ms"),
-            "percentile": s.get("slo_percentile") or "p95"}
-
-
-def collect(paths: Iterable[Path]) -> dict[str, Any]:
-    """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
-    runs: list[dict[str, Any]] = []
-    calibration: list[dict[str, Any]] = []
-    planner = None
-    results: list[dict[str, Any]] = []
-    gpu, gpu_gib, environment_ = None, None, None
-    foreign_levels: list[Any] = []
-    for path in find_results(paths):
-        kind, doc = load_any(path)
-        if kind == "foreign":
-            foreign_levels += _foreign_levels(path, doc)
-        elif kind == "aggregate":
-            runs += doc["runs"]
-            calibration += doc.get("calibration") or []
-            planner = planner or doc.get("planner")
-            gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
-            environment_ = environment_ or doc.get("environment")
-        else:
-            results.append(doc)
-            runs.append(run_of(doc, str(path)))
-            environment_ = environment_ or doc.get("environment")
-            gpu = gpu or doc["gpu"].get("name")
-            gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
-    if foreign_levels:
-        runs += _foreign_runs(foreign_levels, runs)
-    if results:
-        calibration += _calibration_rows(results)
-    agg = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "kvexp.aggregate",
-        "kvexp_version": __version__,
-        "environment": environment_,
-        "gpu": gpu,
-        "gpu_gib": gpu_gib,
-        "run_dates": sorted({r["started_at"] for r in runs if r.get("started_at")}),
-        "runs": runs,
-        "calibration": calibration,
-        "planner": planner,
-    }
-    from kvexp.analysis.recommend import recommendations
-
-    agg["recommendations"] = recommendations(agg)
-    validate_document(agg, "aggregate", where="aggregate")
-    return agg
-
-
-def _calibration_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    try:
-        from kvexp.planning.calibration import calibration_rows
-    except ImportError:
-        return []
-    return calibration_rows(results)
-
-
-def _foreign_levels(path: Path, doc: Any) -> list[Any]:
-    from kvexp.results import foreign
-
-    try:
-        return foreign.levels_of(doc, str(path))
-    except foreign.ForeignFormatError as e:
-        raise ResultError(f"{path}: {e}") from None
-
-
-def _foreign_runs(levels: list[Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Other tools' levels as runs, each joining the scenario of kvexp's runs with the same prompt and
-    output length, with a label no other run has."""
-    from kvexp.results import foreign
-
-    try:
-        new = foreign.runs_of(levels)
-    except foreign.ForeignFormatError as e:
-        raise ResultError(str(e)) from None
-    taken = {r["label"] for r in runs}
-    for r in foreign.join_scenarios(new, runs):
-        label, n = r["label"], 2
-        while r["label"] in taken:
-            r["label"], n = f"{label} ({n})", n + 1
-        taken.add(r["label"])
-    return new

@@ -16,6 +16,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from kvexp.core.paths import data_dir
+from kvexp.results import foreign
 
 KINDS = ("result", "aggregate", "request")
 SCHEMA_VERSION = 2  # the newest result format this kvexp reads and writes (2: typed warnings, server spec)
@@ -183,8 +184,6 @@ def check_file(path: Path) -> list[str]:
         return [f"{path}: cannot read: {e.strerror}"]
     except UnicodeDecodeError:
         return [f"{path}: not JSON (not UTF-8 text)"]
-    from kvexp.results import foreign
-
     try:
         doc = parse_json(text)
     except ValueError as e:
@@ -218,8 +217,6 @@ def _json_lines(text: str) -> Any:
 def foreign_errors(doc: Any, source: str) -> list[str]:
     """Why another tool's file cannot be mapped to kvexp's levels, or its mapping breaks the aggregate
     schema; [] when it maps cleanly."""
-    from kvexp.results import foreign
-
     try:
         runs = foreign.runs_of(foreign.levels_of(doc, source))
     except foreign.ForeignFormatError as e:

@@ -5,7 +5,8 @@ Completions requests send token ids drawn (seeded) from the ids the server's tok
 corpus of plain words, so the prompt is exactly N tokens by construction and no two requests share a
 prefix (no prefix-cache flattery). Chat requests need text: words are added or removed until the
 server's count of the templated message is exactly N. Backends without a tokenizer (Ollama) get
-text of an estimated length, and the realised length is recorded from the server's own count."""
+text of an estimated length, and the realised length is recorded from the server's own count. The
+words are made up (made_up_words), seeded; the example files kvexp ships are written from them too."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from typing import Optional, Protocol
 
 import aiohttp
 
-from kvexp.workload.spec import words as made_up_words
-
 WORDS_PER_CORPUS = 3000
 CHARS_PER_TOKEN = 4.0  # the estimate for a backend without a tokenizer
+
+
+def made_up_words(rng: random.Random, n: int) -> list[str]:
+    """n made-up lowercase words of 2 to 8 letters (prompts and example files)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(n)]
 
 
 class Tokenizing(Protocol):

@@ -1,0 +1,126 @@
+"""A sweep's aggregate document: every run's result, other tools' levels, recommendations, calibration
+rows, gathered from any mix of sweep folders, job folders, result files and aggregates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from kvexp.analysis.recommend import recommendations
+from kvexp.core import __version__
+from kvexp.planning.calibration import calibration_rows
+from kvexp.results import foreign
+from kvexp.results.store import ResultError, find_results, load_any
+from kvexp.results.validate import SCHEMA_VERSION, validate_document
+
+
+def collect(paths: Iterable[Path]) -> dict[str, Any]:
+    """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
+    runs: list[dict[str, Any]] = []
+    calibration: list[dict[str, Any]] = []
+    planner = None
+    results: list[dict[str, Any]] = []
+    gpu, gpu_gib, environment_ = None, None, None
+    foreign_levels: list[Any] = []
+    for path in find_results(paths):
+        kind, doc = load_any(path)
+        if kind == "foreign":
+            foreign_levels += _foreign_levels(path, doc)
+        elif kind == "aggregate":
+            runs += doc["runs"]
+            calibration += doc.get("calibration") or []
+            planner = planner or doc.get("planner")
+            gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
+            environment_ = environment_ or doc.get("environment")
+        else:
+            results.append(doc)
+            runs.append(run_of(doc, str(path)))
+            environment_ = environment_ or doc.get("environment")
+            gpu = gpu or doc["gpu"].get("name")
+            gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
+    if foreign_levels:
+        runs += _foreign_runs(foreign_levels, runs)
+    if results:
+        calibration += calibration_rows(results)
+    agg = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "kvexp.aggregate",
+        "kvexp_version": __version__,
+        "environment": environment_,
+        "gpu": gpu,
+        "gpu_gib": gpu_gib,
+        "run_dates": sorted({r["started_at"] for r in runs if r.get("started_at")}),
+        "runs": runs,
+        "calibration": calibration,
+        "planner": planner,
+    }
+    agg["recommendations"] = recommendations(agg)
+    validate_document(agg, "aggregate", where="aggregate")
+    return agg
+
+
+def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
+    """A job result as one run of the aggregate shape."""
+    kv_cache = {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None,
+                **result["kv_cache"]}
+    started = result.get("started_at") or ""
+    return {
+        "label": result["label"],
+        "backend": result["backend"]["name"],
+        "model": result["model"].get("path") or result["model"]["name"],
+        "scenario": result["scenario"]["name"],
+        "prompt_tokens": result["scenario"]["prompt_tokens"],
+        "max_tokens": result["scenario"]["max_tokens"],
+        "started_at": started.replace("T", " ")[:16] + " UTC" if started else None,
+        "gpu": result["gpu"].get("name"),
+        "gpu_gib": result["gpu"].get("memory_gib"),
+        "kv_cache": kv_cache,
+        "levels": result["levels"],
+        "status": result["status"],
+        "status_reason": result.get("status_reason"),
+        "backend_version": result["backend"].get("version"),
+        "launch_command": result["backend"].get("launch_command"),
+        "variable_length": result["scenario"]["variable_length"],
+        "kv_requested": result["kv"]["requested"],
+        "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
+        "numerics": (result.get("server") or {}).get("numerics"),
+        "reused_server": result["backend"]["reused_server"],
+        "planner": result.get("planner"),
+        "quality": result.get("quality"),
+        "workload": result.get("workload"),
+        "source": source,
+        "search": result.get("search"),
+        "slo": slo_of(result),
+    }
+
+
+def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The job's latency objectives ({slo_ttft_ms, slo_tpot_ms, percentile}; None when it set none)."""
+    s = (result.get("config") or {}).get("scenario") or {}
+    if s.get("slo_ttft_ms") is None and s.get("slo_tpot_ms") is None:
+        return None
+    return {"slo_ttft_ms": s.get("slo_ttft_ms"), "slo_tpot_ms": s.get("slo_tpot_ms"),
+            "percentile": s.get("slo_percentile") or "p95"}
+
+
+def _foreign_levels(path: Path, doc: Any) -> list[Any]:
+    try:
+        return foreign.levels_of(doc, str(path))
+    except foreign.ForeignFormatError as e:
+        raise ResultError(f"{path}: {e}") from None
+
+
+def _foreign_runs(levels: list[Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Other tools' levels as runs, each joining the scenario of kvexp's runs with the same prompt and
+    output length, with a label no other run has."""
+    try:
+        new = foreign.runs_of(levels)
+    except foreign.ForeignFormatError as e:
+        raise ResultError(str(e)) from None
+    taken = {r["label"] for r in runs}
+    for r in foreign.join_scenarios(new, runs):
+        label, n = r["label"], 2
+        while r["label"] in taken:
+            r["label"], n = f"{label} ({n})", n + 1
+        taken.add(r["label"])
+    return new

@@ -1,0 +1,114 @@
+"""Levels whose numbers should not be read as firm, found in a document: the warnings a kvexp run
+recorded itself (metrics/levels.py made them while measuring), and for levels that carry none (the
+reference document, other tools' files) the same checks with the same thresholds and texts
+(levels.figure_warnings), made here on the figures the document holds; a failed level; throughput
+unstable across a level's repeats (stats.repeat_summary's coefficient of variation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvexp.analysis.documents import first_line, fmt_x, is_num, num, x_words
+from kvexp.metrics import stats
+from kvexp.metrics.levels import (MAX_CV, TAGS, WARNING_CODES as LEVEL_WARNING_CODES, Level, LevelWarning,
+                                  figure_warnings, level_x)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One level of one run of a document flagged by one warning (code: levels.WARNING_CODES, or
+    "failed"; tag: the short mark of a table cell)."""
+
+    code: str
+    tag: str
+    run_index: int
+    level_index: int  # index into run["levels"] as given
+    label: str
+    scenario: str
+    message: str
+
+
+def repeat_stats(level: dict) -> dict[str, Optional[float]]:
+    """n, cv (a fraction) and ci95 of throughput over repeats, from whatever the level carries:
+    a `repeats` summary object ({n, cv, ci95, mean} or {"throughput_tok_s": {...}}), a list of repeat
+    throughputs, a count, top-level `cv` / `throughput_ci95`, or repeats merged by sorted_levels."""
+    out: dict[str, Any] = {"n": None, "cv": None, "ci95": None}
+    r = level.get("repeats")
+    if isinstance(r, dict):
+        src = r.get("throughput_tok_s") if isinstance(r.get("throughput_tok_s"), dict) else r
+        out.update(n=src.get("n", r.get("n")), cv=src.get("cv"), ci95=src.get("ci95", r.get("throughput_ci95")))
+    elif isinstance(r, list):
+        vals = [num(x, "throughput_tok_s") if isinstance(x, dict) else (float(x) if is_num(x) else None) for x in r]
+        out["n"] = len(r)
+        level = {**level, "repeat_throughputs": [v for v in vals if v is not None]}
+    elif is_num(r):
+        out["n"] = r
+    vals = level.get("repeat_throughputs")
+    if isinstance(vals, list) and len(vals) >= 2 and out["cv"] is None:
+        out["n"] = out["n"] or len(vals)
+        out["cv"] = stats.repeat_summary(vals)["cv"]  # type: ignore[index]
+    cv = level.get("cv")
+    if isinstance(cv, dict):
+        cv = cv.get("throughput_tok_s")
+    if is_num(cv):
+        out["cv"] = float(cv)
+    if level.get("throughput_ci95") is not None:
+        out["ci95"] = level["throughput_ci95"]
+    return out
+
+
+def _unstable(cv: Optional[float], n: Optional[float]) -> Optional[LevelWarning]:
+    if cv is None or cv < MAX_CV:
+        return None
+    across = f" across {n:g} repeats" if is_num(n) else " across repeats"
+    return LevelWarning("unstable", f"throughput varies by {cv * 100:.1f} %{across} (CV ≥ {MAX_CV * 100:.0f} %)",
+                        {"cv": cv, "n": n})
+
+
+def level_warnings(aggregate: dict) -> list[Flag]:
+    """Every flagged level of the document's runs, in run and level order: a failed level; the warnings
+    a level recorded (shown with their own texts), else figure_warnings on its figures; a CV across
+    repeats at or above MAX_CV, from the level's own repeat summary or from its repeat entries."""
+    out: list[Flag] = []
+    for ri, run in enumerate(aggregate.get("runs") or []):
+        label, scen = str(run.get("label")), str(run.get("scenario") or "unnamed")
+        first_of: dict[tuple[str, float], int] = {}
+        repeats: dict[tuple[str, float], list[float]] = {}
+        for li, lv in enumerate(run.get("levels") or []):
+            x = level_x(lv)
+            where = f"{label} at {x_words(x[0])} {fmt_x(*x)}" if x else f"{label} level {li + 1}"
+            if x and (lv.get("repeat") or 0) > 0:
+                where += f" (repeat {lv['repeat']})"
+
+            def add(w: LevelWarning) -> None:
+                out.append(Flag(w.code, TAGS.get(w.code, w.code), ri, li, label, scen, f"{where}: {w.text}"))
+
+            if x is not None:
+                first_of.setdefault(x, li)
+                if is_num(lv.get("throughput_tok_s")) and lv.get("status", "ok") != "failed":
+                    repeats.setdefault(x, []).append(float(lv["throughput_tok_s"]))
+            if lv.get("status") == "failed":
+                reason = first_line(lv.get("status_reason"))
+                add(LevelWarning("failed", "the level failed" + (f": {reason}" if reason else "")))
+            level = Level.from_json(lv)
+            recorded = isinstance(lv.get("warnings"), list)
+            for w in level.warnings if recorded else figure_warnings(level):
+                add(w)
+            rs = repeat_stats(lv)
+            if not (recorded and any(w.code == "unstable" for w in level.warnings)) and \
+                    (w := _unstable(rs["cv"], rs["n"])) is not None:
+                add(w)
+        for x, vals in repeats.items():
+            summary = stats.repeat_summary(vals)
+            if len(vals) >= 2 and summary and (w := _unstable(summary["cv"], len(vals))) is not None:
+                li = first_of[x]
+                out.append(Flag(w.code, TAGS[w.code], ri, li, label, scen,
+                                f"{label} at {x_words(x[0])} {fmt_x(*x)}: {w.text}"))
+    return out
+
+
+# tag -> what it means, for a report's legend: the codes a run records (levels.WARNING_CODES) under
+# the marks tables show, and "failed".
+WARNING_CODES = {**{TAGS.get(code, code): meaning for code, meaning in LEVEL_WARNING_CODES.items()},
+                 "failed": "the level failed", "warn": "warning recorded by the run"}

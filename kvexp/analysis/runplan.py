@@ -1,0 +1,95 @@
+"""The planner's view of a run, read from a document: its own planner block; else the levels'
+predicted KV usage; else one derived from the document's calibration table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvexp.analysis.documents import is_num, num, sorted_levels
+from kvexp.capacity.planner import kv_bytes_per_token
+from kvexp.planning.recompute import kvexp_tokens
+
+
+@dataclass(frozen=True)
+class PlanLevel:
+    x: float
+    predicted_kv_usage: Optional[float]  # 0..1
+    predicts_preemption: Optional[bool]
+    predicts_queueing: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    label: str
+    source: str  # "run planner" | "levels" | "calibration table"
+    kv_bytes_per_token: Optional[float]
+    capacity_tokens: Optional[float]
+    max_concurrency: Optional[float]  # whole requests before preemption (vLLM)
+    levels: tuple[PlanLevel, ...]
+    calibrated_capacity_tokens: Optional[float] = None
+    calibrated_max_concurrency: Optional[float] = None
+    calibrated_levels: tuple[PlanLevel, ...] = ()
+    tokens_per_request: Optional[float] = None
+    max_concurrent_requests: Optional[float] = None  # served at once before the rest queue
+
+
+def _plan_levels(rows: Any) -> tuple[PlanLevel, ...]:
+    out = []
+    for row in rows or []:
+        if isinstance(row, dict) and is_num(row.get("concurrency")):
+            u = row.get("predicted_kv_usage")
+            out.append(PlanLevel(float(row["concurrency"]), float(u) if is_num(u) else None,
+                                 row.get("predicts_preemption"), row.get("predicts_queueing")))
+    return tuple(sorted(out, key=lambda p: p.x))
+
+
+def _calibration_row(run: dict, aggregate: dict) -> Optional[dict]:
+    kv = (run.get("kv_cache") or {}).get("dtype") or run.get("kv_requested")
+    for row in aggregate.get("calibration") or []:
+        if isinstance(row, dict) and row.get("model") == run.get("model") and kv and row.get("kv_cache_dtype") == kv:
+            return row
+    return None
+
+
+def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
+    """The planner's view of a run: its own planner block; else the levels' predicted_kv_usage; else one
+    derived from the aggregate's calibration table (capacity = predicted_tokens, each request holding
+    prompt + max tokens, usage capped at 100 % as the planner does)."""
+    label = str(run.get("label"))
+    p = run.get("planner")
+    if isinstance(p, dict):
+        cal = p.get("calibrated") if isinstance(p.get("calibrated"), dict) else {}
+        return RunPlan(
+            label, "run planner", num(p, "kv_bytes_per_token"), num(p, "capacity_tokens"),
+            num(p, "max_concurrency_before_preemption"), _plan_levels(p.get("levels")),
+            num(cal, "capacity_tokens"), num(cal, "max_concurrency_before_preemption"),
+            _plan_levels(cal.get("levels")), num(p, "request_tokens"), num(p, "max_concurrent_requests"))
+    from_levels = _plan_levels([lv for lv in sorted_levels(run) if is_num(lv.get("predicted_kv_usage"))])
+    if from_levels:
+        return RunPlan(label, "levels", None, None, None, from_levels)
+    row = _calibration_row(run, aggregate)
+    prompt, out_tok = num(run, "prompt_tokens"), num(run, "max_tokens")
+    if row is None or not num(row, "predicted_tokens") or prompt is None or out_tok is None:
+        return None
+    per_req = prompt + out_tok
+
+    def levels_for(cap: Optional[float]) -> tuple[PlanLevel, ...]:
+        if not cap:
+            return ()
+        xs = sorted({c for c in (num(lv, "concurrency") for lv in run.get("levels") or []) if c is not None})
+        return tuple(PlanLevel(c, min(1.0, c * per_req / cap), c * per_req > cap) for c in xs)
+
+    mine = kvexp_tokens(row, aggregate)
+    cap, ccap = (mine if mine is not None else num(row, "predicted_tokens")), num(row, "calibrated_tokens")
+    bpt = None
+    pl = aggregate.get("planner") or {}
+    arch = (pl.get("models") or {}).get(row.get("preset") or "")
+    kvb = (pl.get("kv_bytes") or {}).get(row.get("kv_cache_dtype"))
+    dims = ("n_layers", "n_kv_heads", "head_dim")
+    if isinstance(arch, dict) and is_num(kvb) and all(is_num(arch.get(k)) for k in dims):
+        bpt = kv_bytes_per_token(arch["n_layers"], arch["n_kv_heads"], arch["head_dim"], kvb)
+    return RunPlan(
+        label, "calibration table", bpt, cap, math.floor(cap / per_req) if cap else None, levels_for(cap),
+        ccap, math.floor(ccap / per_req) if ccap else None, levels_for(ccap), per_req)

@@ -1,0 +1,197 @@
+"""The report's planner section: the planner's constants and model presets, each run's predicted KV
+capacity beside the server's, the predicted preemption and queueing points beside the observed ones,
+the calibration table with kvexp's own recomputation, and the what-if table on other GPUs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from kvexp import backends
+from kvexp.analysis import documents as D, runplan as RP
+from kvexp.capacity.planner import kv_bytes_per_token
+from kvexp.metrics import registry
+from kvexp.metrics.levels import level_x
+from kvexp.metrics.registry import format_value, is_num
+from kvexp.planning import recompute, whatif
+from kvexp.planning.calibration import CalibrationError, load as load_calibration
+from kvexp.report.setup_view import kv_capacity
+from kvexp.report.tables import Table, drop_empty, level_cell
+
+log = logging.getLogger(__name__)
+
+
+def planner_view(agg: dict) -> dict:
+    """The planner section's constants and tables, as strings."""
+    pl = agg.get("planner") if isinstance(agg.get("planner"), dict) else {}
+    constants: list[tuple[str, str]] = []
+    names = {"gpu_memory_utilization": "GPU memory utilisation", "overhead_gib": "Overhead (GiB)",
+             "block_size": "Block size (tokens)"}
+    for k, v in pl.items():
+        if k in ("gib", "models", "kv_bytes"):
+            continue
+        if k == "gpu_memory_utilization" and is_num(v):
+            constants.append((names[k], f"{v * 100:.0f} %"))
+        elif not isinstance(v, (dict, list)):
+            constants.append((names.get(k, k), format_value(k, v)))
+    kvb = pl.get("kv_bytes") if isinstance(pl.get("kv_bytes"), dict) else {}
+    if kvb:
+        constants.append(("KV bytes per element", ", ".join(f"{k} {format_value('b', v)}" for k, v in kvb.items())))
+
+    presets = None
+    models = pl.get("models") if isinstance(pl.get("models"), dict) else {}
+    if models:
+        rows = []
+        for name, m in models.items():
+            if not isinstance(m, dict):
+                continue
+            per_tok = []
+            if all(is_num(m.get(k)) for k in ("n_layers", "n_kv_heads", "head_dim")):
+                for dt, b in kvb.items():
+                    if is_num(b):
+                        bpt = kv_bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], b)
+                        per_tok.append(f"{dt} {bpt / 1024:.1f}")
+            rows.append([str(name), format_value("n", m.get("n_layers")), format_value("n", m.get("n_kv_heads")),
+                         format_value("n", m.get("head_dim")), format_value("params_b", m.get("params_b")),
+                         ", ".join(per_tok) or "—"])
+        presets = Table(["Preset", "Layers", "KV heads", "Head dim", "Params (B)", "KV KiB/token"], rows,
+                        [False, True, True, True, True, False])
+
+    plans = [(r, RP.run_plan(r, agg)) for _, sruns in D.scenarios(agg) for r in sruns]
+    cap_rows = []
+    for r, p in plans:  # one row per run: each run's own planner error, never one row for several runs
+        if p is None:
+            continue
+        kv = D.kv_name(r)
+        server = kv_capacity(r.get("kv_cache") or {})
+        diff = (server - p.capacity_tokens) / p.capacity_tokens * 100 if server and p.capacity_tokens else None
+        cap_rows.append([str(r.get("label")), D.backend_name(r.get("backend")), str(r.get("model")), kv.display,
+                         format_value("kv_bytes_per_token", p.kv_bytes_per_token),
+                         format_value("capacity_tokens", p.capacity_tokens),
+                         format_value("capacity_tokens", p.calibrated_capacity_tokens),
+                         format_value("capacity_tokens", server),
+                         "—" if diff is None else f"{diff:+.1f}", p.source])
+    capacity = Table(["Run", "Backend", "Model", "KV", "KV bytes/token", "Planner capacity (tokens)",
+                      "Calibrated capacity (tokens)", "Server capacity (tokens)", "Server vs planner (%)", "Source"],
+                     cap_rows, [False, False, False, False, True, True, True, True, True, False]) if cap_rows else None
+
+    pre_rows = []
+    for r, p in plans:
+        if p is None:
+            continue
+        levels = [lv for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == "concurrency"]
+        top = format_value("concurrency", D.num(levels[-1], "concurrency")) if levels else "—"
+
+        def first(rows: tuple[RP.PlanLevel, ...], what: str) -> str:
+            hit = next((q for q in rows if getattr(q, what)), None)
+            if hit:
+                return format_value("concurrency", hit.x)
+            known = [q for q in rows if getattr(q, what) is not None]
+            return f"none up to {format_value('concurrency', known[-1].x)}" if known else "—"
+
+        if D.exposes(r, "preemptions"):
+            obs = next((lv for lv in levels if D.num(lv, "preemptions")), None)
+            observed = format_value("concurrency", obs["concurrency"]) if obs else f"none up to {top}"
+        else:
+            observed = registry.missing_text("preemptions", level_failed=False, exposed_elsewhere=False,
+                                             foreign=bool(r.get("tool")))
+        pre_rows.append([
+            str(r.get("scenario")), str(r.get("label")), format_value("tokens", p.tokens_per_request),
+            format_value("concurrency", p.max_concurrency),
+            format_value("concurrency", p.calibrated_max_concurrency),
+            first(p.levels, "predicts_preemption"), first(p.calibrated_levels, "predicts_preemption"), observed,
+            format_value("concurrency", p.max_concurrent_requests), first(p.levels, "predicts_queueing"),
+            level_cell(r, levels[-1], "peak_kv_cache_usage") if levels else "—",
+        ])
+    preemption = Table(["Scenario", "Run", "Tokens/request", "Max concurrency (planner)",
+                        "Max concurrency (calibrated)", "Predicted preemption at", "Predicted (calibrated)",
+                        "Observed preemption at", "Served at once (planner)", "Predicted queueing at",
+                        "Peak KV usage at top level (%)"],
+                       pre_rows, [False, False, *[True] * 9], kind="wide") if pre_rows else None
+    if preemption is not None:
+        preemption = drop_empty(preemption, keep=2)
+
+    cal = [row for row in agg.get("calibration") or [] if isinstance(row, dict)]
+    calibration = None
+    if cal:
+        has_cal = any(row.get("calibrated_tokens") is not None for row in cal)
+        cols = [("model", "Model", False), ("preset", "Preset", False), ("backend", "Backend", False),
+                ("kv_cache_dtype", "KV", False), ("gpu_gib", "GPU (GiB)", True), ("weights_gib", "Weights (GiB)", True),
+                ("gpu_memory_utilization", "GPU mem. util. (%)", True),
+                ("predicted_tokens", "Predicted (tokens)", True),
+                ("actual_tokens", "Actual (tokens)", True), ("error_pct", "Error (%)", True)]
+        if has_cal:
+            cols += [("calibrated_tokens", "Calibrated (tokens)", True),
+                     ("calibrated_error_pct", "Calibrated error (%)", True)]
+        cols = [c for c in cols if c[0] != "backend" or any(row.get("backend") for row in cal)]
+        checks = {c.index: c for c in recompute.check_document(agg)}
+        rows = []
+        for i, row in enumerate(cal):
+            vals = dict(row)
+            actual = vals.get("actual_tokens")
+            for pred, err in (("predicted_tokens", "error_pct"), ("calibrated_tokens", "calibrated_error_pct")):
+                if vals.get(err) is None and is_num(vals.get(pred)) and is_num(actual) and actual:
+                    vals[err] = (vals[pred] - actual) / actual * 100
+            rows.append([format_value(k, vals.get(k)) for k, _, _ in cols] + _check_cells(checks.get(i)))
+        calibration = Table([h for _, h, _ in cols] + list(CHECK_HEADERS), rows,
+                            [n for _, _, n in cols] + [True, True, False], kind="wide")
+    return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
+            "calibration": calibration, "whatif": whatif_view(agg),
+            "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
+
+
+CHECK_HEADERS = ("kvexp planner (tokens)", "kvexp error (%)", "Document vs kvexp")
+
+
+def _check_cells(c: Optional[recompute.Check]) -> list[str]:
+    """kvexp's own prediction for a calibration row, its error, and whether the document agrees."""
+    if c is None or c.kvexp_tokens is None:
+        return ["—", "—", "not recomputed" + (f": {c.reason}" if c is not None and c.reason else "")]
+    verdict = ("agrees" if c.agrees else "no prediction in the document" if c.agrees is None
+               else f"DISAGREES: document {c.document_tokens:,}")
+    return [format_value("capacity_tokens", c.kvexp_tokens), format_value("error_pct", c.kvexp_error_pct),
+            verdict]
+
+
+def _whatif_configs(agg: dict) -> list[tuple[tuple, Optional[str]]]:
+    """What-if configurations of an aggregate with their scenario: every run's own planner block, and
+    every calibration row kvexp recomputed (with the prompt and output length of its runs)."""
+    out: dict[tuple, tuple[tuple, Optional[str]]] = {}
+    checks = [c for c in recompute.check_document(agg) if c.kvexp_tokens is not None]
+    for r in agg.get("runs") or []:
+        adapter = backends.find(recompute.run_name(r.get("backend")))
+        if adapter is None:
+            continue
+        p = r.get("planner")
+        configs = []
+        if isinstance(p, dict) and isinstance(p.get("inputs"), dict):
+            configs.append(whatif.from_plan(p, adapter.cache_model))
+        for c in checks:
+            if (c.backend == adapter.name and str(c.model) == str(r.get("model"))
+                    and recompute.run_kv(r) == c.kv_dtype and is_num(r.get("prompt_tokens"))):
+                inputs = {**c.inputs, "prompt_tokens": r["prompt_tokens"], "max_tokens": r.get("max_tokens") or 0}
+                configs.append((inputs, {}, adapter.cache_model, adapter.name))
+        for cfg in configs:
+            i = cfg[0]
+            key = (cfg[3], i.get("model"), i.get("kv_dtype"), i.get("prompt_tokens"), i.get("max_tokens"))
+            out.setdefault(key, (cfg, str(r.get("scenario"))))
+    return list(out.values())
+
+
+def whatif_view(agg: dict) -> Optional[Table]:
+    """The what-if table: each configuration on each conf/gpu preset, with this machine's fitted
+    overheads (the calibration file; none when it cannot be read)."""
+    configs = _whatif_configs(agg)
+    if not configs:
+        return None
+    try:
+        table = load_calibration()
+    except CalibrationError as e:
+        log.warning("%s", e)
+        table = None
+    rows = []
+    for g in whatif.gpu_presets():
+        for cfg, scen in configs:
+            rows.append(whatif.row_cells(whatif.what_if(cfg[0], cfg[1], cfg[2], g, table, backend=cfg[3]), scen))
+    return Table(list(whatif.HEADERS), rows, [False] * 6 + [True] * 3 + [False] + [True] * 3, kind="wide")
+

@@ -1,0 +1,78 @@
+"""The report's quality section: per run and context depth, the teacher-forced drift of its KV dtype
+from the 16-bit KV baseline beside its KV capacity and its continuations' agreement, and a chart of
+mean KLD against context depth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
+from kvexp.metrics.registry import format_value, is_num
+from kvexp.report import charts as C
+from kvexp.report.tables import Table, drop_empty
+
+
+def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
+    """The quality section: one row per run and context depth (teacher-forced drift from the 16-bit KV
+    baseline, beside the run's KV capacity and its continuation agreement) and a chart of mean KLD
+    against context depth; None when no run measured quality."""
+    runs = [r for r in agg.get("runs") or [] if isinstance(r.get("quality"), dict)]
+    if not runs:
+        return None
+    headers = ["Run", "KV", "Baseline", "Depth", "Positions", "Mean KLD", "Median KLD", "p99 KLD", "Top-1 agree",
+               "PPL base", "PPL", "ΔPPL", "KV capacity (tokens)", "Identical continuations", "First diff (mean)",
+               "Prefix agree", "Baseline from"]
+    rows, series, methods, notes = [], [], {}, []
+    for r in runs:
+        q = r["quality"]
+        tf, cont, base = q.get("teacher_forced") or {}, q.get("continuation") or {}, q.get("baseline") or {}
+        if tf.get("method"):
+            methods[tf["method"]] = tf.get("precision")
+        depths = tf.get("depths") or [{}]
+        cap = (r.get("kv_cache") or {}).get("capacity_tokens")
+        src = "cache" if base.get("cached") else ("this job" if base.get("measured_by_this_job") else "—")
+        for d in depths:
+            status = d.get("status")
+            rows.append([
+                str(r.get("label")), str(q.get("kv")), str(base.get("kv")),
+                format_value("context", d.get("context")), format_value("positions", d.get("positions")),
+                fmt_kld(d.get("kld_mean")), fmt_kld(d.get("kld_median")), fmt_kld(d.get("kld_p99")),
+                fmt_share(d.get("top1_agreement")), format_value("ppl", d.get("ppl_base")),
+                format_value("ppl", d.get("ppl")), format_value("delta_ppl", d.get("delta_ppl")),
+                format_value("capacity_tokens", cap), fmt_share(cont.get("identical_share")),
+                format_value("first_diff", cont.get("first_diff_mean")), fmt_share(cont.get("prefix_agreement")),
+                src])
+            if status and status != "ok":
+                notes.append(f"{r.get('label')}, depth {d.get('context')}: {status}: {d.get('reason')}")
+        if tf.get("reason"):
+            notes.append(f"{r.get('label')}: teacher-forced drift not measured: {tf['reason']}")
+        if cont.get("reason"):
+            notes.append(f"{r.get('label')}: continuations: {cont['reason']}")
+        notes += [f"{r.get('label')}: {w}" for w in q.get("warnings") or []]
+        pts = [(float(d["context"]), float(d["kld_mean"])) for d in tf.get("depths") or []
+               if d.get("status") == "ok" and is_num(d.get("kld_mean")) and d["kld_mean"] > 0]
+        if q.get("kv") == base.get("kv"):  # the baseline against itself: the method's floor, in the table
+            pts = []
+        if pts:
+            label = str(r.get("label"))
+            series.append(C.Series(label, colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
+                                   tuple(y for _, y in pts), C.marker(r.get("backend"))))
+    ys = [y for s_ in series for y in s_.ys if y is not None]
+    logy = bool(ys) and max(ys) / min(ys) > 20
+    if series:
+        notes.append("The chart shows the KV dtypes other than the baseline; the baseline against itself (the "
+                     "method's floor) is in the table.")
+    charts = []
+    if series:
+        spec = C.ChartSpec("quality-kld", "Mean KLD from the 16-bit KV cache vs context depth",
+                           "Context depth (tokens)", "Mean KLD (nats" + (", log scale)" if logy else ")"),
+                           tuple(series), logx=True, logy=logy)
+        charts.append(C.render_chart(spec, png_dir, svg))
+    entries = [(s_.label, s_.colour, s_.marker) for s_ in series]
+    legend = C.render_legend("quality-legend", entries, png_dir, svg=False) if entries and png_dir is not None else None
+    table = Table(headers, rows, [False, False, False] + [True] * 13 + [False], kind="wide")
+    return {"table": drop_empty(table, keep=4), "charts": charts, "notes": notes, "legend": legend,
+            "legend_items": [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
+                             for lab, col, m in entries],
+            "methods": [f"{m}: {p}" if p else m for m, p in methods.items()]}

@@ -1,0 +1,285 @@
+"""The report's scenario sections: per scenario, the level table (every level as recorded, with its
+warning codes), the latency and load detail tables, the workload's tables, and the charts with their
+legend and notes. Every level column is a registry key (kvexp.report.tables)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from kvexp.analysis import documents as D, flags as FL, runplan as RP
+from kvexp.metrics import registry
+from kvexp.metrics.levels import level_x
+from kvexp.metrics.registry import format_value, is_num
+from kvexp.report import charts as C
+from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
+                                 numeric, uniq)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower() or "x"
+
+
+def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]
+                  ) -> tuple[Table, list[tuple[str, Table]], list[str]]:
+    """The scenario's level table (every level as recorded) and the detail tables, as strings."""
+    rows: list[tuple[dict, int, dict]] = []
+    for r in runs:
+        levels = r.get("levels") or []
+        for li in sorted(range(len(levels)), key=lambda i: (level_x(levels[i]) or ("~", math.inf),
+                                                            levels[i].get("repeat") or 0)):
+            rows.append((r, li, levels[li]))
+
+    def columns(keys: tuple[str, ...], keep: set[str]) -> list[tuple[str, list[str]]]:
+        out = []
+        for k in keys:
+            cells = [level_cell(r, lv, k) for r, _, lv in rows]
+            if k in keep or any(cell != registry.UNKNOWN for cell in cells):
+                out.append((k, cells))
+        return out
+
+    has_conc = any(is_num(lv.get("concurrency")) for _, _, lv in rows)
+    reuse = any(_reuses(r) for r in runs)
+    main_cols = columns(tuple(k for k in LEVEL_COLUMNS if reuse or not k.startswith("prefix_cache.")),
+                        ALWAYS - (set() if has_conc or not rows else {"concurrency"}) | ({"prefix_cache.hit_rate"}
+                                                                                         if reuse else set()))
+    main_cols = [(k, cells) for k, cells in main_cols if k != "repeat" or any(x not in ("0", "—") for x in cells)]
+    used: list[str] = []
+    notes = []
+    for r, li, _ in rows:
+        codes = warn_codes.get((run_index[id(r)], li), [])
+        used += [c for c in codes if c not in used]
+        notes.append(", ".join(codes))
+    body = [[str(r.get("label")), D.kv_name(r).display, *(cells[n] for _, cells in main_cols), notes[n]]
+            for n, (r, _, _) in enumerate(rows)]
+    main = Table(["Run", "KV", *(header(k) for k, _ in main_cols), "Notes"], body,
+                 [False, False, *(numeric(k) for k, _ in main_cols), False], kind="levels")
+    if not any(notes):  # no warnings in this scenario: no Notes column (cells cost PDF time)
+        main = Table(main.headers[:-1], [row[:-1] for row in main.rows], main.numeric[:-1], kind="levels")
+    details = []
+    for name, cols in (("Latency detail", LATENCY_COLUMNS), ("Load and memory detail", LOAD_COLUMNS)):
+        dcols = columns(cols, set())
+        if not dcols:
+            continue
+        where = [D.fmt_x(*level_x(lv)) + (f" #{lv['repeat']}" if (lv.get("repeat") or 0) > 0 else "")
+                 if level_x(lv) else "—" for _, _, lv in rows]
+        drows = [[str(r.get("label")), where[n], *(cells[n] for _, cells in dcols)] for n, (r, _, _) in enumerate(rows)]
+        details.append((name, Table(["Run", "Level", *(header(k) for k, _ in dcols)], drows,
+                                    [False, True, *(numeric(k) for k, _ in dcols)], kind="levels")))
+    return main, details + _workload_tables(rows), used
+
+
+def _reuses(run: dict) -> bool:
+    """The run's workload reuses prompts on purpose (shared prefixes, conversations, a dataset, a trace)."""
+    return ((run.get("workload") or {}).get("kind") or "synthetic") != "synthetic"
+
+
+def _lengths(s: Optional[dict]) -> str:
+    return "—" if not s else f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
+
+
+def _workload_tables(rows: list[tuple[dict, int, dict]]) -> list[tuple[str, Table]]:
+    """The workload's shape beside what it measured: lengths asked and realised, the prefix cache and its
+    reset per level; a histogram of realised prompt lengths per run; per-turn figures of conversations."""
+    rows = [(r, li, lv) for r, li, lv in rows if lv.get("workload")]
+    if not rows:
+        return []
+    out = []
+    body = []
+    for r, _, lv in rows:
+        w, pc, reset = lv["workload"], lv.get("prefix_cache"), lv.get("cache_reset")
+        checked = w.get("prompts_checked") or 0
+        arrival = (w.get("arrival_error_ms") or {}).get("p99")
+        body.append([str(r.get("label")), D.fmt_x(*level_x(lv)) if level_x(lv) else "—",
+                     _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
+                     _lengths(w["output_tokens"]["realised"]),
+                     f"{w['prompts_exact']}/{checked}" if checked else "—",
+                     level_cell(r, lv, "prefix_cache.hit_rate"),
+                     "—" if not pc else f"{pc['hit_tokens']:,}/{pc['queried_tokens']:,}",
+                     "—" if reset is None else ("yes" if reset["done"] else "no") + f": {reset['how']}",
+                     "—" if arrival is None else f"{arrival:.2f}"])
+    cols = ["Run", "Level", "Prompt asked (mean/p50/p99)", "Prompt realised", "Output realised", "Exact prompts",
+            header("prefix_cache.hit_rate"), "Hit / looked-up tokens", "Cache reset before", "Arrival error p99 (ms)"]
+    keep = [i for i in range(len(cols)) if i < 2 or any(row[i] != "—" for row in body)]
+    out.append(("Workload", Table([cols[i] for i in keep], [[row[i] for i in keep] for row in body],
+                                  [False, True, *([False] * (len(keep) - 2))], kind="wide")))
+    hist = []
+    seen: set[str] = set()
+    for r, _, lv in rows:  # one histogram per run: its first level's realised prompt lengths
+        bins = lv["workload"].get("prompt_histogram") or []
+        if str(r.get("label")) in seen or not bins:
+            continue
+        seen.add(str(r.get("label")))
+        top = max(b["count"] for b in bins) or 1
+        hist += [[str(r.get("label")), f"{b['lo']}–{b['hi']}" if b["hi"] != b["lo"] else str(b["lo"]),
+                  str(b["count"]), "█" * max(1 if b["count"] else 0, round(20 * b["count"] / top))] for b in bins]
+    if hist:
+        out.append(("Prompt lengths (realised, first level)",
+                    Table(["Run", "Prompt tokens", "Requests", ""], hist, [False, True, True, False])))
+    turns = [[str(r.get("label")), D.fmt_x(*level_x(lv)), str(t["turn"] + 1), str(t["requests"]),
+              format_value("mean_prompt_tokens", t["mean_prompt_tokens"]),
+              format_value("mean_prompt_tokens", t["mean_cached_tokens"]),
+              format_value("ttft_p50_ms", t["ttft_p50_ms"])]
+             for r, _, lv in rows for t in lv.get("turns") or []]
+    if turns:
+        out.append(("Conversation turns", Table(["Run", "Level", "Turn", header("requests"),
+                                                 header("mean_prompt_tokens"), "Mean cached tokens",
+                                                 header("ttft_p50_ms")], turns,
+                                                [False, True, True, True, True, True, True])))
+    return out
+
+
+def _workload_text(w: dict) -> str:
+    """The workload in a few words, for a scenario's description."""
+    parts = [str(w.get("kind"))]
+    pd = w.get("prompt_dist") or {}
+    if pd.get("kind", "fixed") != "fixed":
+        parts.append(f"prompt lengths {pd['kind']} (mean {pd['mean']:.0f})")
+    if w.get("prefix_tokens"):
+        parts.append(f"{w['prefix_groups']} shared prefix(es) of {w['prefix_tokens']} tokens")
+    if (w.get("turns") or 1) > 1:
+        parts.append(f"{w['turns']} turns, think time {w['think_time_s']:g} s")
+    for key in ("dataset", "trace"):
+        if w.get(key):
+            scale = f" x{w[key]['time_scale']:g}" if key == "trace" else ""
+            parts.append(f"{key} {Path(w[key]['file']).name}{scale}")
+    return "workload: " + ", ".join(parts)
+
+
+def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], scale: float = 1.0,
+            linestyle: str = "-") -> list[C.Series]:
+    out = []
+    for r in runs:
+        pts = [(level_x(lv)[1], D.num(lv, key)) for lv in D.sorted_levels(r)  # type: ignore[index]
+               if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)]
+        if any(y is not None for _, y in pts):
+            out.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(x for x, _ in pts),
+                                tuple(None if y is None else y * scale for _, y in pts),
+                                C.marker(r.get("backend")), linestyle))
+    return out
+
+
+def _wide_y(series: list[C.Series]) -> bool:
+    ys = [y for s in series for y in s.ys if y is not None and y > 0]
+    return bool(ys) and max(ys) / min(ys) > 50
+
+
+def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: dict[str, str], agg: dict,
+                 plans: dict[str, Optional[RP.RunPlan]]) -> tuple[list[C.ChartSpec], list[str]]:
+    xs = [level_x(lv)[1] for r in runs for lv in r.get("levels") or [] if level_x(lv) and level_x(lv)[0] == xkind]
+    logx = C.span_is_wide(xs)
+    xlabel = "Concurrency (requests in flight)" if xkind == "concurrency" else "Request rate (requests/s)"
+    stem = stem + ("" if xkind == "concurrency" else "-rate")
+    specs: list[C.ChartSpec] = []
+    notes: list[str] = []
+
+    def add(name: str, title: str, ylabel: str, series: list[C.Series], **kw: Any) -> None:
+        if series:
+            specs.append(C.ChartSpec(f"{stem}-{name}", f"{scen}: {title}", xlabel, ylabel, tuple(series), logx, **kw))
+        elif name != "kv":  # a KV chart without data is explained by the "not exposed" note below
+            notes.append(f"{title}: no data.")
+
+    add("throughput", "throughput", "Throughput (tok/s)", _series(runs, xkind, "throughput_tok_s", colours))
+    ttft = _series(runs, xkind, "ttft_p50_ms", colours) + _series(runs, xkind, "ttft_p95_ms", colours, linestyle=":")
+    wide = _wide_y(ttft)
+    add("ttft", "TTFT p50 and p95", "Time to first token (ms" + (", log scale)" if wide else ")"), ttft,
+        style_key=(("-", "p50"), (":", "p95")), logy=wide)
+    tpot = _series(runs, xkind, "tpot_p50_ms", colours) + _series(runs, xkind, "tpot_p95_ms", colours, linestyle=":")
+    has_p95 = any(s.linestyle == ":" for s in tpot)
+    add("tpot", "TPOT p50" + (" and p95" if has_p95 else ""), "Time per output token (ms)", tpot,
+        style_key=(("-", "p50"), (":", "p95")) if has_p95 else ())
+    mem = _series(runs, xkind, "peak_vram_gib", colours)
+    rss = _series(runs, xkind, "peak_rss_gib", colours, linestyle="-.")
+    gib = agg.get("gpu_gib")
+    add("memory", "peak memory", "Peak memory (GiB)", mem + rss,
+        hlines=((float(gib), f"GPU memory {format_value('gpu_gib', gib)} GiB"),) if is_num(gib) and mem else (),
+        style_key=((("-", "VRAM"), ("-.", "process RSS")) if rss and mem else ()))
+    kv = _series(runs, xkind, "peak_kv_cache_usage", colours, scale=100)
+    planned, calibrated, sources = [], [], []
+    if xkind == "concurrency":
+        for r in runs:
+            plan = plans.get(str(r.get("label")))
+            if plan is None or D.run_status(r) == "failed":
+                continue
+            for levels, dest, ls in ((plan.levels, planned, "--"), (plan.calibrated_levels, calibrated, "-.")):
+                pts = [p for p in levels if p.predicted_kv_usage is not None]
+                if pts:
+                    dest.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(p.x for p in pts),
+                                         tuple(p.predicted_kv_usage * 100 for p in pts),  # type: ignore[operator]
+                                         C.marker(r.get("backend")), ls))
+                    sources.append(plan.source)
+    hidden = [str(r.get("label")) for r in runs if r.get("levels") and not D.exposes(r, "peak_kv_cache_usage")]
+    key = [("-", "measured")] if kv else []
+    if planned:
+        key.append(("--", "planner"))
+    if calibrated:
+        key.append(("-.", "planner, calibrated"))
+    top = max((y for s in kv + planned + calibrated for y in s.ys if y is not None), default=0.0)
+    add("kv", "KV-cache usage" + (" vs planner" if planned else ""), "KV-cache usage (%)", kv + planned + calibrated,
+        hlines=((100.0, "KV capacity"),) if top >= 50 else (), style_key=tuple(key))
+    if hidden:
+        notes.append(f"KV-cache usage not exposed: {', '.join(hidden)}.")
+    if planned and "calibration table" in sources:
+        notes.append("Planner lines derived from the calibration table's inputs by kvexp's planner, assuming each "
+                     "request holds prompt + max tokens.")
+    return specs, notes
+
+
+def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
+                   svg: bool) -> list[dict]:
+    """One section per scenario: its description, level and detail tables, warning codes and charts."""
+    runs_all = list(agg.get("runs") or [])
+    run_index = {id(r): i for i, r in enumerate(runs_all)}
+    warn_codes: dict[tuple[int, int], list[str]] = {}
+    for w in warnings:
+        codes = warn_codes.setdefault((w.run_index, w.level_index), [])
+        if w.tag not in codes:
+            codes.append(w.tag)
+    plans = {str(r.get("label")): RP.run_plan(r, agg) for r in runs_all}
+    out = []
+    stems: set[str] = set()
+    for scen, runs in D.scenarios(agg):
+        stem = _slug(scen)
+        while stem in stems:  # two names with one slug ("a b", "a-b") must not share chart files
+            stem += "-x"
+        stems.add(stem)
+        main, details, codes = _level_tables(runs, warn_codes, run_index)
+        kinds = uniq(level_x(lv)[0] for r in runs for lv in D.sorted_levels(r) if level_x(lv))
+        charts, notes = [], []
+        for xkind in kinds:
+            specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
+            notes += n
+            charts += [C.render_chart(s, png_dir, svg) for s in specs]
+        entries = [(str(r.get("label")), colours[str(r.get("label"))], C.marker(r.get("backend")))
+                   for r in runs if any(D.usable(r, lv) for lv in r.get("levels") or [])]
+        # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
+        legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
+            if entries and charts and png_dir is not None else None
+        legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
+                        for lab, col, m in entries] if charts else []
+        # a trace's or a dataset's own lengths, not the scenario's, are what was sent
+        own = [r for r in runs if (r.get("workload") or {}).get("kind") not in ("trace", "dataset")]
+        prompt = uniq(r.get("prompt_tokens") for r in own)
+        maxt = uniq(r.get("max_tokens") for r in own)
+        desc = []
+        if prompt:
+            desc.append(f"prompt {', '.join(map(str, prompt))} tokens")
+        if maxt:
+            desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
+        desc += uniq(_workload_text(r.get("workload")) for r in runs if _reuses(r) or
+                     ((r.get("workload") or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
+        desc.append(f"{len(runs)} run{'s' if len(runs) != 1 else ''}")
+        failed = [{"label": str(r.get("label")), "status": D.run_status(r),
+                   "reason": D.first_line(r.get("status_reason")) or "no reason recorded"}
+                  for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
+        out.append({
+            "name": scen, "anchor": stem, "description": "; ".join(desc), "table": main, "details": details,
+            "codes": [(c, FL.WARNING_CODES.get(c, c)) for c in codes],
+            "kv_label_note": any(D.kv_name(r).source == "label" for r in runs), "charts": charts, "legend": legend,
+            "legend_items": legend_items,
+            "notes": notes, "failed": failed,
+        })
+    return out
+

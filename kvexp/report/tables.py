@@ -1,0 +1,190 @@
+"""Plain-string tables and comparison.csv: the Table every view fills, Markdown tables, the level columns
+of the report (each a key of kvexp.metrics.registry: its header is the metric's header, its cell the
+registry's format, a null cell the registry's missing-value rule), and the CSV of every level."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from kvexp.analysis import documents as D, flags as FL
+from kvexp.core.paths import atomic_write
+from kvexp.metrics import registry
+from kvexp.report.markdown import md_escape
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] = field(default_factory=list)
+    kind: str = ""  # a CSS hook: "levels", "wide", ...
+    widths: list[float] = field(default_factory=list)  # percent per column, from the text lengths
+
+    def __post_init__(self) -> None:
+        if not self.numeric:
+            self.numeric = [False] * len(self.headers)
+        if not self.widths:
+            self.widths = column_widths(self.headers, self.rows)
+
+
+def drop_empty(t: Table, keep: int = 1) -> Table:
+    """The table without columns that are "—" in every row (the first `keep` columns stay)."""
+    cols = [i for i in range(len(t.headers)) if i < keep or any(row[i] != registry.UNKNOWN for row in t.rows)]
+    return Table([t.headers[i] for i in cols], [[row[i] for i in cols] for row in t.rows],
+                 [t.numeric[i] for i in cols], t.kind)
+
+
+def column_widths(headers: list[str], rows: list[list[str]], lo: int = 5, hi: int = 34) -> list[float]:
+    """Relative column widths from the longest cell and the longest header word, so that the PDF can
+    use a fixed table layout (WeasyPrint's automatic layout measures every cell: slow on long tables)."""
+    chars = []
+    for i, h in enumerate(headers):
+        longest = max((len(r[i]) for r in rows if i < len(r)), default=0)
+        word = max((len(w) for w in h.split()), default=0)
+        chars.append(min(hi, max(lo, longest, word + 1)))
+    total = sum(chars) or 1
+    return [round(100 * c / total, 2) for c in chars]
+
+
+def md_table(t: Table, escape: bool = True) -> str:
+    """The table in Markdown; escape=False for cells that are Markdown already (figures and **flags**)."""
+    head = "| " + " | ".join(md_escape(h) for h in t.headers) + " |"
+    rule = "|" + "|".join("---:" if n else "---" for n in t.numeric) + "|"
+    body = ["| " + " | ".join(md_escape(c) if escape else " ".join(c.split()).replace("|", "\\|") for c in row)
+            + " |" for row in t.rows]
+    return "\n".join([head, rule, *body])
+
+
+def uniq(xs: Iterable[Any]) -> list[Any]:
+    """The values in order of first appearance, without None, "" and repeats."""
+    out: list[Any] = []
+    for x in xs:
+        if x is not None and x != "" and x not in out:
+            out.append(x)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Level columns: registry keys
+
+
+def header(key: str) -> str:
+    """A level column's header: the registry's ("TTFT p50 (ms)")."""
+    return registry.metric(key).header
+
+
+def numeric(key: str) -> bool:
+    """Whether a level column holds numbers (right-aligned): every registered format but text."""
+    return registry.metric(key).fmt != registry.Fmt.text
+
+
+# The reference document's level columns, in its units (rate, achieved rate and repeat only when present).
+LEVEL_COLUMNS = (
+    "concurrency", "rate", "achieved_rate", "repeat", "requests", "errors", "throughput_tok_s", "ttft_p50_ms",
+    "ttft_p95_ms",
+    "prefix_cache.hit_rate",  # workloads that reuse prompts only
+    "tpot_p50_ms", "peak_vram_gib", "peak_kv_cache_usage", "preemptions", "mean_prompt_tokens",
+)
+# Columns kvexp adds, in two tables; each column appears only when some level of the scenario has it.
+LATENCY_COLUMNS = (
+    "ttft_p99_ms", "tpot_p95_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "e2e_p50_ms",
+    "e2e_p95_ms", "e2e_p99_ms", "client_queue_p50_ms", "client_queue_p99_ms",
+    # the server's own timing of the same requests, and how their tokens arrived
+    "server.tpot_p50_ms", "server.tpot_mean_ms", "server.ttft_mean_ms", "server.queue_mean_ms",
+    "delivery.tokens_per_chunk", "delivery.multi_token_chunk_share",
+)
+LOAD_COLUMNS = (
+    "request_rate", "goodput_req_s", "mean_output_tokens", "wall_s", "max_running", "max_waiting",
+    "peak_server_gpu_gib", "peak_rss_gib", "repeats", "throughput_ci95", "cv",
+)
+# The reference document's columns: shown (and in the CSV) even when no level has them.
+ALWAYS = frozenset({"concurrency", "requests", "errors", "throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms",
+                    "tpot_p50_ms", "peak_vram_gib", "peak_kv_cache_usage", "preemptions", "mean_prompt_tokens"})
+_REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}  # read from the level's repeat summary
+
+
+def level_cell(run: dict, level: dict, key: str) -> str:
+    """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
+    v = FL.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else registry.level_value(level, key)
+    if v is None:
+        failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
+        return registry.missing_text(key, level_failed=failed, exposed_elsewhere=D.exposes(run, key),
+                                     foreign=bool(run.get("tool")))
+    return registry.format_value(key, v)
+
+
+def tool_name(run: dict) -> str:
+    """Which tool measured a run: kvexp, or the other benchmark tool (with its version) whose file it came from."""
+    if not run.get("tool"):
+        return "kvexp"
+    return f"{run['tool']} {run['tool_version']}" if run.get("tool_version") else str(run["tool"])
+
+
+# ----------------------------------------------------------------------------------------------
+# comparison.csv: one row per run and level, the level keys as column names
+
+# The run columns before the level keys ("tool" only when a run came from another tool's file).
+CSV_RUN_COLUMNS = ("label", "tool", "backend", "model", "scenario", "kv_dtype", "kv_dtype_source", "run_status")
+NESTED_LEVEL_BLOCKS = ("server", "delivery", "prefix_cache")  # a level's blocks whose figures get a column each
+
+
+def _flat_keys(level: dict) -> list[str]:
+    """A level's keys, with the figures of its NESTED_LEVEL_BLOCKS as dotted keys."""
+    out = []
+    for k, v in level.items():
+        if k in NESTED_LEVEL_BLOCKS and isinstance(v, dict):
+            out += [f"{k}.{inner}" for inner in v]
+        else:
+            out.append(k)
+    return out
+
+
+def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
+    """comparison.csv as values: its column names and one row per run and level (None where missing).
+    The level columns are the registry's keys in its order (those some level has, and ALWAYS), then
+    any key the levels carry that the registry does not describe, sorted. A `tool` column (kvexp or the
+    benchmark tool that measured the run) is there when a run came from another tool's file."""
+    runs = list(aggregate.get("runs") or [])
+    present = {k for r in runs for lv in r.get("levels") or [] for k in _flat_keys(lv)}
+    level_keys = [k for k in registry.METRICS if k in present or k in ALWAYS] + sorted(present - set(registry.METRICS))
+    tools = any(r.get("tool") for r in runs)
+    head = [c for c in CSV_RUN_COLUMNS if c != "tool" or tools] + level_keys
+    rows = []
+    for r in runs:
+        kv = D.kv_name(r)
+        base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
+                r.get("scenario"), kv.name, kv.source, D.run_status(r)]
+        for lv in r.get("levels") or [{}]:
+            rows.append(base + [registry.level_value(lv, k) for k in level_keys])
+    return head, rows
+
+
+def csv_text(aggregate: dict) -> str:
+    """comparison.csv's text: level_table with empty cells for missing values, JSON for lists and objects."""
+    head, rows = level_table(aggregate)
+
+    def cell(v: Any) -> Any:
+        if v is None:
+            return ""
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, dict)):
+            return json.dumps(v, sort_keys=True)
+        return v
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(head)
+    for row in rows:
+        w.writerow([cell(v) for v in row])
+    return buf.getvalue()
+
+
+def write_csv(aggregate: dict, path: Path) -> Path:
+    """One row per run and level; runs without levels get one row with empty level columns."""
+    return atomic_write(path, csv_text(aggregate))
