@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvexp.metrics import search  # noqa: E402
-from kvexp.app.cli import compose  # noqa: E402
+from kvexp.app.compose import compose  # noqa: E402
 from kvexp.assets.install import find_llama_server  # noqa: E402
 from kvexp.measure.runner import ServerPool, run_job  # noqa: E402
 

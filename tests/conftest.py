@@ -87,3 +87,22 @@ def with_tiny(args) -> list[str]:
     while flags < len(args) and str(args[flags]).startswith("-"):
         flags += 1
     return [*args[:flags], *TINY, *args[flags:]]
+
+
+def kvexp_main(*args: str) -> int:
+    """kvexp's main in this process on the tests' defaults, releasing its folder locks afterwards."""
+    from kvexp.app import preflight
+    from kvexp.app.cli import main
+
+    try:
+        return main(with_tiny(args))
+    finally:
+        preflight.unlock_all()
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under folder (hidden ones included) and the hash of its bytes."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}

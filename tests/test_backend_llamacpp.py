@@ -13,7 +13,7 @@ from conftest import TINY
 from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
 from kvexp.backends.openai import parse_sse_line
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.measure.client import make_session
 from kvexp.measure.loadgen import LoadGenerator
 from kvexp.metrics.records import RequestRecord

@@ -27,7 +27,7 @@ from kvexp.backends.process import ServerProcess, free_port
 from kvexp.backends.vllm import (
     CPU_KV_CACHE_BYTES, VLLM, cache_info, cpu_fp8_kv_supported, kv_info, parse_kv_log, telemetry,
 )
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.core.config import ExperimentConfig
 from kvexp.measure.client import make_session
 from kvexp.measure.loadgen import LoadGenerator

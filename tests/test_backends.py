@@ -13,7 +13,7 @@ from conftest import TINY
 from kvexp import backends
 from kvexp.planning import prediction
 from kvexp.backends.base import PORT, Adapter
-from kvexp.app.cli import _options, compose
+from kvexp.app.compose import _options, compose
 from kvexp.capacity.planner import ModelArch
 
 TINY_ARCH = ModelArch(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.001, name="tiny")

@@ -14,7 +14,9 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp.app.cli import compose, main, safe_name
+from kvexp.app.cli import main
+
+from kvexp.app.compose import compose, safe_name
 from kvexp.metrics.records import RequestRecord
 from kvexp.measure.runner import skipped_result
 
@@ -72,7 +74,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
      "{F}: $.status: 'done' is not one of ['complete', 'partial', 'failed', 'skipped']"),
     ("validate: no such file", lambda d, g: ["validate", str(d / "nope.json")],
      "{F}: cannot read: No such file or directory"),
-    ("validate: a folder", lambda d, g: ["validate", str(d)], "{F}: cannot read: Is a directory"),
+    ("validate: a folder without results", lambda d, g: ["validate", str(d)], "{F}: no result.json found in this folder"),
     ("validate: requests.jsonl with a cut line", lambda d, g: ["validate", put(
         d / "requests.jsonl", json.dumps(REQUEST) + '\n{"index": 1, "lev')],
      "{F}:2: not JSON: Unterminated string starting at: line 1 column 14 (char 13)"),
@@ -151,7 +153,7 @@ def test_an_unreadable_file(good, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["validate", "."], ".: cannot read: Is a directory"),
+    (["validate", "."], ".: no result.json found in this folder"),
     (["report", "missing-folder"], "kvexp: missing-folder: no such file or folder"),
 ])
 def test_no_traceback_from_the_command_line(tmp_path, args, expected):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.app.cli import _options, check, compose, compose_all, kv_choices
+from kvexp.app.compose import _options, check, compose, compose_all, kv_choices
 from kvexp.backends import REGISTRY as BACKENDS
 from kvexp.backends.llamacpp import LlamaCppConfig
 from kvexp.backends.ollama import OllamaConfig
@@ -87,7 +87,7 @@ BAD = [
     (["scenario.requests=abc"], "scenario.requests: Value 'abc'"),
     (["scenario.concurrency=[0]"], "scenario.concurrency=[0]: every level must be an integer >= 1"),
     (["scenario.api=grpc"], "scenario.api='grpc': allowed values are completions, chat"),
-    (["unsupported=maybe"], "unsupported='maybe': allowed values are error, skip"),
+    (["unsupported=maybe"], "unsupported='maybe': allowed values are auto, error, skip"),
     (["scenario.max_tokens=0"], "scenario.max_tokens=0: must be >= 1"),
     (["scenario.concurrency=[]"], "scenario smoke: give scenario.concurrency"),
 ]

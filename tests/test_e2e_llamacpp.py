@@ -50,9 +50,9 @@ def test_files_validate(sweep):
     assert "| llamacpp-tiny-q8_0-smoke |" in (sweep_dir / "summary.md").read_text()
     (rec,) = json.loads((sweep_dir / "sweep.json").read_text())["recommendations"]  # one scenario, no SLO
     assert rec["scenario"] == "smoke" and rec["slo"] is None and rec["best"]["label"].startswith("llamacpp-tiny-")
-    assert "## Recommendation\n\n- smoke, no latency objective set" in (sweep_dir / "summary.md").read_text()
+    assert "## Ranking\n\n- smoke, no latency objective set" in (sweep_dir / "summary.md").read_text()
     report = (sweep_dir / "report" / "report.md").read_text()
-    assert report.index("## Recommendation") < report.index("## Findings")
+    assert report.index("## Verdict") < report.index("## Ranking") < report.index("## Findings")
 
 
 def test_kv_types_are_the_servers_own(sweep):
@@ -104,3 +104,16 @@ def test_missing_llama_server_says_how_to_get_it(tmp_path):
     assert p.returncode == 1
     assert "python -m kvexp install llamacpp" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_what_a_person_reads_is_prose_with_the_verdict_first(sweep):
+    """Every Markdown, HTML, CSV and PDF page the real sweep rendered: no Python repr, no None or nan, no
+    nearly empty page, the verdict before the findings; the verdict names the noise it held the jobs to."""
+    from test_verdict import check_readable
+
+    sweep_dir, _ = sweep
+    check_readable(sweep_dir)
+    summary = (sweep_dir / "summary.md").read_text()
+    verdict = summary.split("## Verdict", 1)[1].split("##", 1)[0]
+    assert "smoke: " in verdict and "repeat with scenario.repeats=3" in verdict
+    assert ("tie" in verdict) != ("leads" in verdict)  # either a tie or a measurable lead, never both

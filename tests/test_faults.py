@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import with_tiny, TINY
+from conftest import TINY, kvexp_main, snapshot
 
 from kvexp.backends import launched
 from kvexp.app import preflight
-from kvexp.app.cli import check, compose, compose_all, kv_choices, main
+from kvexp.app.compose import check, compose, compose_all, kv_choices
 from kvexp.core.config import ConfigError
 from kvexp.results.store import load_document
 from kvexp.results.validate import check_file
@@ -36,19 +35,6 @@ import fake_openai  # noqa: E402
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory) -> Path:
     return fake_openai.wrapper(tmp_path_factory.mktemp("fake"))
-
-
-def kvexp_main(*args: str) -> int:
-    try:
-        return main(with_tiny(args))
-    finally:
-        preflight.unlock_all()
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under folder (hidden ones included) and the hash of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------------------- 6. bad config values
@@ -75,7 +61,7 @@ BAD_CONFIG = [
     ("backend.flash_attn=maybe", "backend.flash_attn='maybe': allowed values are on, off, auto"),
     ("scenario.arrival=bursty", "scenario.arrival='bursty': allowed values are constant, poisson"),
     ("client.event_loop=trio", "client.event_loop='trio': allowed values are auto, asyncio, uvloop"),
-    ("unsupported=ignore", "unsupported='ignore': allowed values are error, skip"),
+    ("unsupported=ignore", "unsupported='ignore': allowed values are auto, error, skip"),
     ("backend.host=256.1.1.1", "backend.host='256.1.1.1': not an IP address or host name"),
     ("backend.host=", "backend.host='': not an IP address or host name"),
     ("backend.context=10", "scenario.prompt_tokens + scenario.max_tokens = 48 tokens do not fit"),

@@ -188,7 +188,7 @@ def test_results_command_and_frame_have_comparison_csv_columns(tmp_path, capsys)
     assert capsys.readouterr().out.strip() == f"csv: {out}"
     render_report(collect([FIX]), tmp_path / "rep", formats=("md",))
     assert out.read_text() == (tmp_path / "rep" / "comparison.csv").read_text()
-    assert main(["results", str(VLLM_FILES[0])]) == 0
+    assert main(["results", str(VLLM_FILES[0]), "--csv"]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("label,tool,backend,model,scenario,")
     pd = pytest.importorskip("pandas")
     import kvexp

@@ -71,7 +71,9 @@ def test_findings_say_which():
     assert "show no measurable difference in throughput" in best[0].sentence
     assert "the repeats' 95 % CIs overlap" in best[0].sentence
     overall = next(f for f in F.compute_findings(agg) if f.kind == "best_overall_throughput")
-    assert "shows no measurable difference" in overall.sentence
+    # a difference within noise is a tie: no winner named
+    assert "the highest throughput is a tie between" in overall.sentence
+    assert ": no measurable difference" in overall.sentence and "runner-up" not in overall.sentence
     q8 = _repeated("q8", 4, [150, 151, 149], kv="q8_0")
     f16 = _repeated("f16", 4, [100, 101, 99])
     gain = next(f for f in F.compute_findings({"gpu": "G", "runs": [f16, q8]}) if f.kind == "kv_gain")
@@ -85,7 +87,7 @@ def test_findings_say_which():
 
 @pytest.fixture(scope="module")
 def twice(llama_server, tmp_path_factory):
-    from kvexp.app.cli import compose
+    from kvexp.app.compose import compose
     from kvexp.analysis.aggregate import collect
     from kvexp.backends.pool import ServerPool
     from kvexp.measure.runner import run_job

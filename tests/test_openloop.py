@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.measure.loadgen import arrival_offsets
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job

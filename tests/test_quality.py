@@ -14,7 +14,7 @@ import pytest
 
 from conftest import with_tiny, TINY
 
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.app.checks import check_config
 from kvexp.core.config import ConfigError
 from kvexp.results.validate import check_file

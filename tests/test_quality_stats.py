@@ -140,6 +140,6 @@ def test_prompt_offsets_are_seeded_and_fit():
 
 def _adapter(name: str):
     from kvexp import backends
-    from kvexp.app.cli import compose
+    from kvexp.app.compose import compose
 
     return backends.adapter_class(name)(compose([*TINY, f"backend={name}", "model.ollama=tiny:latest"]), "/m", "/bin/x")

@@ -25,7 +25,7 @@ from kvexp.capacity import gguffile
 from kvexp.metrics import stats
 from kvexp.backends import create
 from kvexp.backends.base import CLIENT_KEEPALIVE_S
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.app.checks import check_config
 from kvexp.core.config import ConfigError
 from kvexp.assets.install import find_llama_perplexity, vllm_python

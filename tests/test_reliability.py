@@ -19,7 +19,7 @@ from conftest import TINY
 
 from kvexp.backends.base import BackendError
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.results.store import load_document
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job

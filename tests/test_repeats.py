@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY
 
 from kvexp.metrics import stats
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.analysis.aggregate import collect
 from kvexp.metrics.levels import Level, level_warnings
 from kvexp.backends.pool import ServerPool

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.app.cli import compose, main, resume_args
+from kvexp.app.cli import main, resume_args
+
+from kvexp.app.compose import compose
 from kvexp.results.store import ResultError, load_document
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job

@@ -87,7 +87,7 @@ def test_grid_filled_at_a_resolution():
 
 
 def test_bad_search_settings_are_one_line(tmp_path):
-    from kvexp.app.cli import compose
+    from kvexp.app.compose import compose
     from kvexp.app.checks import check_config
     from kvexp.core.config import ConfigError
 
@@ -128,7 +128,7 @@ def _cut(levels):
 
 @pytest.fixture(scope="module")
 def grid_and_search(llama_server, tmp_path_factory):
-    from kvexp.app.cli import compose
+    from kvexp.app.compose import compose
     from kvexp.backends.pool import ServerPool
     from kvexp.measure.runner import run_job
 
@@ -179,6 +179,6 @@ def test_the_reports_recommendation_names_the_answer(grid_and_search, tmp_path, 
     assert rec["met"] and rec["best"]["label"] == "search" and rec["best"]["capacity"] == answer
     R.render_report(agg, tmp_path, formats=("md",))
     text = (tmp_path / "report.md").read_text()
-    top = text.split("## Recommendation", 1)[1].split("## Findings", 1)[0]
+    top = text.split("## Ranking", 1)[1].split("## Findings", 1)[0]
     assert f"search (llama.cpp, fp16 KV) serves the most, {answer:g} concurrent requests within the objectives" in top
     assert f"TTFT p95 ≤ {grid_and_search['slo']:g} ms" in top

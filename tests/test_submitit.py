@@ -115,7 +115,7 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
 
 
 def test_job_statuses_count_a_job_that_left_no_result(tmp_path):
-    from kvexp.app.cli import compose
+    from kvexp.app.compose import compose
     from kvexp.measure.runner import skipped_result
     from kvexp.report.summary import job_statuses
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.app.checks import check_config
 from kvexp.core.config import ConfigError
 from kvexp.backends.pool import ServerPool
@@ -106,8 +106,8 @@ def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path):
     w = lv["workload"]
     print(f"\ntrace x0.5: {lv['rate']} req/s, arrival error {w['arrival_error_ms']}, reuse {lv['prefix_cache']}")
     assert res["workload"]["trace"]["rows"] == 64 and lv["requests"] == 64 and lv["errors"] == 0
-    # a bound against gross lateness only: the 5 ms p99 target is bench/traffic.py's (figures in the
-    # README), since a shared machine's scheduler can delay any one send
+    # a bound against gross lateness only: the 5 ms p99 target is bench/traffic.py's (figures in
+    # docs/loadgen.md), since a shared machine's scheduler can delay any one send
     assert w["arrival_error_ms"]["p99"] < 20.0
     assert w["prompts_exact"] == 64 and w["output_tokens"]["realised"] == w["output_tokens"]["asked"]
     assert lv["prefix_cache"]["hit_tokens"] > 0  # rows that share hash ids share their first blocks

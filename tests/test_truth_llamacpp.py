@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY
 
 from kvexp.backends.llamacpp import exact_kv_bytes, slots_usage
-from kvexp.app.cli import compose
+from kvexp.app.compose import compose
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 from kvexp.results.validate import check_file

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from kvexp.analysis.recommend import recommendations
+from kvexp.analysis.verdict import verdicts
 from kvexp.core import __version__
 from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
@@ -55,6 +56,7 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         "planner": planner,
     }
     agg["recommendations"] = recommendations(agg)
+    agg["verdicts"] = [v.to_json() for v in verdicts(agg)]
     validate_document(agg, "aggregate", where="aggregate")
     return agg
 

@@ -115,6 +115,7 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
         run, lv, v = peak
         xk, x = level_x(lv)  # type: ignore[misc]
         tail, numbers = "", {"throughput_tok_s": v, xk: x}
+        lead = "the highest throughput overall is"
         second = _runner_up_peak(runs, run)
         if second is not None:
             r2, lv2, v2 = second
@@ -122,11 +123,15 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
             if vd is not None:
                 numbers.update(vd.numbers(), runner_up=str(r2.get("label")), runner_up_tok_s=v2)
                 x2k, x2 = level_x(lv2)  # type: ignore[misc]
-                tail = (f"; the runner-up, {r2.get('label')} ({run_kind(r2)}), {format_value('throughput_tok_s', v2)} "
-                        f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}, shows {vd.phrase}")
+                other = (f"{r2.get('label')} ({run_kind(r2)}), {format_value('throughput_tok_s', v2)} "
+                         f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}")
+                if vd.measurable:
+                    tail = f"; the runner-up, {other}, shows {vd.phrase}"
+                else:
+                    lead, tail = "the highest throughput is a tie between", f", and {other}: {vd.phrase}"
         out.append(Finding(
             "best_overall_throughput",
-            f"{scenario}: the highest throughput overall is {run.get('label')} ({run_kind(run)}), "
+            f"{scenario}: {lead} {run.get('label')} ({run_kind(run)}), "
             f"{format_value('throughput_tok_s', v)} tok/s at {x_words(xk)} {fmt_x(xk, x)}{tail}.",
             scenario, (str(run.get("label")),), numbers))
     by_x = _candidates(runs, "ttft_p95_ms")

@@ -48,18 +48,25 @@ def _ok_depths(q: dict) -> list[dict]:
             if d.get("status") == "ok" and is_num(d.get("kld_mean"))]
 
 
-def _capacity(runs: list[dict], kv: str) -> tuple[Optional[float], Optional[float]]:
-    """(capacity tokens, KV bytes) of the first run of this KV dtype that reported them."""
-    tokens = next((r["kv_cache"].get("capacity_tokens") for r in runs if _kv(r) == kv
-                   and is_num((r.get("kv_cache") or {}).get("capacity_tokens"))), None)
-    size = next((r["kv_cache"].get("bytes") for r in runs if _kv(r) == kv
-                 and is_num((r.get("kv_cache") or {}).get("bytes"))), None)
+def _like(a: dict, b: dict) -> bool:
+    """Two runs whose KV caches may be compared: the same scenario and the same number of slots (a
+    server sized for 16 sequences holds more tokens than one sized for 2, whatever its dtype)."""
+    return a.get("scenario") == b.get("scenario") and (a.get("kv_cache") or {}).get("seqs") == \
+        (b.get("kv_cache") or {}).get("seqs")
+
+
+def _capacity(runs: list[dict], kv: str, like: dict) -> tuple[Optional[float], Optional[float]]:
+    """(capacity tokens, KV bytes) of the first run of this KV dtype, comparable with `like`, that reported them."""
+    same = [r for r in runs if _kv(r) == kv and _like(r, like)]
+    tokens = next((r["kv_cache"].get("capacity_tokens") for r in same
+                   if is_num((r.get("kv_cache") or {}).get("capacity_tokens"))), None)
+    size = next((r["kv_cache"].get("bytes") for r in same if is_num((r.get("kv_cache") or {}).get("bytes"))), None)
     return tokens, size
 
 
-def _capacity_words(runs: list[dict], kv: str, base: str) -> Optional[str]:
-    t, b = _capacity(runs, kv)
-    t0, b0 = _capacity(runs, base)
+def _capacity_words(runs: list[dict], kv: str, base: str, like: dict) -> Optional[str]:
+    t, b = _capacity(runs, kv, like)
+    t0, b0 = _capacity(runs, base, like)
     if t and t0 and t != t0:
         return f"{t / t0:.2f}× KV capacity ({int(t):,} vs {int(t0):,} tokens)"
     if b and b0:
@@ -138,7 +145,7 @@ def quality_findings(aggregate: dict) -> list[Finding]:
                     str(r.get("scenario")), (str(r.get("label")),), {"determinism": det}))
             if _kv(r) == base:
                 continue
-            parts = [p for p in (_capacity_words(group, _kv(r), base), _speed_words(group, _kv(r), base),
+            parts = [p for p in (_capacity_words(group, _kv(r), base, r), _speed_words(group, _kv(r), base),
                                  _drift_words(q), _continuation_words(q)) if p]
             if not parts:
                 continue

@@ -195,9 +195,10 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
             "quality": quality_summary(br)}
     out: dict[str, Any] = {"scenario": scenario, "slo": None, "met": None, "best": best, "runner_up": None,
                            "margin": None, "miss": None}
-    sentence = (f"{scenario}, no latency objective set (scenario.slo_ttft_ms / slo_tpot_ms): by peak throughput, "
-                f"{br.get('label')} ({D.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
-                f"{D.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
+    head = f"{scenario}, no latency objective set (scenario.slo_ttft_ms / slo_tpot_ms): by peak throughput, "
+    first = (f"{br.get('label')} ({D.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
+             f"{D.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
+    sentence = head + first
     if len(peaks) > 1:
         rr, rl = peaks[1]
         rk, rx = level_x(rl)  # type: ignore[misc]
@@ -207,8 +208,10 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
         v = noise.compare(br, bl, rr, rl, "throughput_tok_s")
         if v is not None:
             out["margin"] = {"throughput_pct": None if v.diff_pct is None else round(v.diff_pct, 1), **v.numbers()}
-            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} "
-                         f"tok/s at {D.x_words(rk)} {rx:g}: {v.phrase}")
+            second = (f"{rr.get('label')} ({D.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} tok/s at "
+                      f"{D.x_words(rk)} {rx:g}")
+            sentence = (f"{head}{first}; runner-up {second}: {v.phrase}" if v.measurable
+                        else f"{head}{first} and {second} tie: {v.phrase}")
     out["sentence"] = sentence + "."
     return out
 

@@ -16,7 +16,7 @@ from hydra.core.config_store import ConfigStore
 from kvexp.backends import REGISTRY, adapter_class
 from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
-                               check_kv)
+                               Unsupported, check_kv)
 from kvexp.core.paths import data_dir
 from kvexp.workload import scenario
 
@@ -41,8 +41,8 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
     b, s, kv = cfg.backend, cfg.scenario, cfg.kv
     ref = adapter_class(b.name).model_field
-    _require(cfg.unsupported in ("error", "skip"),
-             f"unsupported={cfg.unsupported!r}: allowed values are error, skip")
+    _require(cfg.unsupported in tuple(Unsupported),
+             f"unsupported={cfg.unsupported!r}: allowed values are {', '.join(Unsupported)}")
     _require(s.prompt_tokens >= 1, f"scenario.prompt_tokens={s.prompt_tokens}: must be >= 1")
     _require(s.max_tokens >= 1, f"scenario.max_tokens={s.max_tokens}: must be >= 1")
     _require(s.requests >= 1, f"scenario.requests={s.requests}: must be >= 1")

@@ -2,9 +2,9 @@
 
     python -m kvexp [-m] [group=option ...] [key=value ...]   run (or sweep) experiments
     python -m kvexp resume DIR                                 finish an interrupted sweep or run
-    python -m kvexp validate FILE...                           check result files against the schema
+    python -m kvexp validate PATH...                           check result files (folders: every result.json)
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
-    python -m kvexp results PATH... [--csv OUT]                one row per level, comparison.csv's columns
+    python -m kvexp results PATH... [--csv [OUT]]              one row per level: a table, or comparison.csv
     python -m kvexp plan [overrides]                           KV-capacity planner table
     python -m kvexp install [llamacpp|vllm|smollm2]            one-time builds / installs
     python -m kvexp cleanup                                    stop servers a killed kvexp left running
@@ -13,9 +13,8 @@
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
 import logging
-import re
 import shlex
 import signal
 import sys
@@ -25,137 +24,13 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from kvexp.app.checks import check_config, register_configs
-from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, job_label
+from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
+                               ignored_keys_note, kv_choices, one_line_error, safe_name, sweep_backends,
+                               sweep_overrides, to_experiment)
+from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
 
 log = logging.getLogger("kvexp")
-GROUPS = ("backend", "model", "kv", "scenario", "gpu")
-
-
-def safe_name(text: str) -> str:
-    """A label made safe for a file name."""
-    return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
-
-
-def setup_hydra() -> None:
-    """Register kvexp's schemas and the `safe` resolver with Hydra/OmegaConf (idempotent; called before
-    anything composes a config, never at import)."""
-    if not OmegaConf.has_resolver("safe"):
-        OmegaConf.register_new_resolver("safe", safe_name)
-    register_configs()
-
-
-# ---------------------------------------------------------------- composing and checking configs
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (data_dir("conf") / group).glob("*.yaml"))
-
-
-def kv_choices() -> dict[str, KVConfig]:
-    out = {}
-    for name in _options("kv"):
-        node = OmegaConf.merge(OmegaConf.structured(KVConfig),
-                               {k: v for k, v in OmegaConf.load(data_dir("conf") / "kv" / f"{name}.yaml").items()
-                                if k != "defaults"})
-        out[name] = OmegaConf.to_object(node)
-    return out
-
-
-def one_line_error(e: BaseException) -> str:
-    """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
-    import dataclasses
-
-    from kvexp.core import config as schemas
-
-    cause = e.__cause__ or e
-    m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
-    if m and m.group(1) in GROUPS:
-        return f"{m.group(1)}={m.group(2)}: no such option; allowed values are {', '.join(_options(m.group(1)))}"
-    text = str(cause).strip()
-    first = text.splitlines()[0] if text else type(cause).__name__
-    full = getattr(cause, "full_key", None)
-    m = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", first)
-    if m and full:  # an enum field (config.py): the same shape as every other refused value
-        return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
-    m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
-    if m:
-        from kvexp.backends import REGISTRY  # backend schemas live with their adapters
-
-        classes = {a.config_class.__name__: a.config_class for a in REGISTRY.values()}
-        schema = getattr(schemas, m.group(2), None) or classes.get(m.group(2))
-        keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
-        return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
-    return f"{full}: {first}" if full else first
-
-
-def sweep_overrides(overrides: list[str]) -> list[list[str]]:
-    """Expand comma lists (multirun sweeps) into one override list per job."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    axes = []
-    for o in parsed:
-        if o.is_sweep_override():
-            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
-        else:
-            axes.append([o.input_line])
-    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
-
-
-def compose(overrides: list[str]) -> ExperimentConfig:
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    setup_hydra()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
-        node = hydra_compose(config_name="config", overrides=overrides)
-    return to_experiment(node)
-
-
-def default_folder(overrides: list[str], multirun: bool) -> Path:
-    """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
-        node = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
-        return Path(str(OmegaConf.select(node, "hydra.sweep.dir" if multirun else "hydra.run.dir")))
-
-
-def to_experiment(node: Any) -> ExperimentConfig:
-    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
-    return OmegaConf.to_object(node)
-
-
-def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
-    """Every job of a sweep, composed and checked; raises ConfigError with one line."""
-    try:
-        combos = sweep_overrides(overrides)
-    except Exception as e:
-        raise ConfigError(one_line_error(e)) from None
-    out = []
-    for combo in combos:
-        try:
-            cfg = compose(combo)
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(one_line_error(e)) from None
-        out.append((combo, cfg))
-    return out
-
-
-def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig]) -> Optional[str]:
-    """None when the job can run; the reason when it is an unsupported pair to skip."""
-    try:
-        check_config(cfg, kvs)
-    except ConfigError as e:
-        if cfg.unsupported == "skip" and str(e).startswith("kv="):
-            return str(e)
-        raise
-    return None
 
 
 # ---------------------------------------------------------------- the experiment (Hydra app)
@@ -168,6 +43,7 @@ class _Sweep:
     multirun: bool
     pool: Any  # backends.pool.ServerPool: a server kept for an identical next job
     failed: list[str] = field(default_factory=list)
+    backend_only: tuple[str, ...] = ()  # backend keys set only for the jobs whose backend declares them
 
 
 def run_experiment(argv: list[str]) -> int:
@@ -176,8 +52,10 @@ def run_experiment(argv: list[str]) -> int:
     from kvexp.backends import process
     from kvexp.backends.pool import ServerPool
 
-    overrides = [a for a in argv if not a.startswith("-")]
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    given = [a for a in argv if not a.startswith("-")]
+    overrides, backend_only = backend_only_keys(given)
+    argv = [overrides[given.index(a)] if not a.startswith("-") else a for a in argv]
     handlers = process.raise_on_signals()
     sweep: Optional[_Sweep] = None
     try:
@@ -194,18 +72,25 @@ def run_experiment(argv: list[str]) -> int:
                                   "key=value")
             kvs = kv_choices()
             jobs = compose_all(overrides)
+            skipped = []
             for _, cfg in jobs:
-                if check(cfg, kvs) is None:
+                reason = check(cfg, kvs, multirun)
+                if reason is None:
                     if not cfg.backend.endpoint:
                         backends.adapter_class(cfg.backend.name).locate_program(cfg)
                     auth_headers(cfg)
+                else:
+                    skipped.append((job_label(cfg), reason))
             from kvexp.app import preflight
 
             argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
         except ConfigError as e:
             print(f"kvexp: {e}", file=sys.stderr)
             return 1
-        sweep = _Sweep(folder=folder or Path.cwd(), multirun=multirun, pool=ServerPool())
+        if folder is not None:
+            _announce(jobs, skipped, backend_only, overrides)
+        sweep = _Sweep(folder=folder or Path.cwd(), multirun=multirun, pool=ServerPool(),
+                       backend_only=tuple(sorted(backend_only)))
         import hydra
 
         @hydra.main(config_path=str(data_dir("conf")), config_name="config", version_base="1.3")
@@ -239,6 +124,21 @@ def run_experiment(argv: list[str]) -> int:
     return 0
 
 
+def _announce(jobs: list[Any], skipped: list[tuple[str, str]], backend_only: dict[str, list[str]],
+              overrides: list[str]) -> None:
+    """Before the first job: the keys set for some backends only, and the jobs that will be recorded
+    as skipped (an unsupported backend/kv pair), each with its reason."""
+    if backend_only:
+        backends = sweep_backends(sweep_overrides(overrides))
+        for line in ignored_keys_note(backend_only, backends):
+            print(f"kvexp: {line}", file=sys.stderr)
+    if skipped:
+        print(f"kvexp: {len(skipped)} of {len(jobs)} jobs cannot run and are recorded as skipped "
+              "(unsupported=error refuses them instead):", file=sys.stderr)
+        for label, reason in skipped:
+            print(f"kvexp:   skipped {label}: {reason}", file=sys.stderr)
+
+
 def _failed_jobs(sweep: _Sweep) -> list[str]:
     """The jobs that failed: those this process saw fail, and (a multirun's jobs may have run in other
     processes or machines: submitit, Ray) those whose folder says failed or holds no result."""
@@ -262,11 +162,11 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
     from kvexp.report.summary import write_job_summary
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    cfg = to_experiment(node)
+    cfg = drop_backend_only(to_experiment(node), sweep.backend_only)
     cfg.output_dir = str(out_dir)
     label = job_label(cfg)
     try:
-        reason = check(cfg, kvs)
+        reason = check(cfg, kvs, sweep.multirun)
         if reason:
             log.warning("%s: skipped: %s", label, reason)
             result = skipped_result(cfg, out_dir, reason)
@@ -275,9 +175,11 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
             from kvexp.app.progress import make_observer
 
             observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
-            result = run_job(cfg, out_dir, observer, sweep.pool)
+            result = run_job(cfg, out_dir, observer, sweep.pool, in_sweep=sweep.multirun)
         write_job_summary(result, out_dir)
         log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+        if not sweep.multirun:
+            _single_report(out_dir)
         levels = result.get("levels") or []
         if result["status"] == "failed" or (levels and all(lv["status"] == "failed" for lv in levels)):
             sweep.failed.append(label)  # nothing usable was measured: the run exits non-zero
@@ -288,6 +190,19 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
         sweep.failed.append(label)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         log.error("%s: failed: %s (see %s)", label, first, out_dir)
+
+
+def _single_report(out_dir: Path) -> None:
+    """A single run gets the sweep's report over its one job, and the end-of-run verdict and table."""
+    from kvexp.report.summary import end_of_run_text, write_job_report
+
+    try:
+        agg, written = write_job_report(out_dir)
+        for p in written:
+            log.info("report: wrote %s", p)
+        print(end_of_run_text(agg), flush=True)
+    except Exception as e:  # the measurements are on disk whatever happens here
+        log.error("report: could not render %s: %s", out_dir, str(e).splitlines()[0] if str(e) else e)
 
 
 def _is_known(e: BaseException) -> bool:
@@ -336,7 +251,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.report.summary import job_results, sweep_timing, timing_line, write_sweep_outputs
+        from kvexp.report.summary import end_of_run_text, job_results, sweep_timing, timing_line, write_sweep_outputs
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
@@ -345,6 +260,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
             for p in written:
                 log.info("sweep: wrote %s", p)
             log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall)))
+            print(end_of_run_text(json.loads((sweep_dir / "sweep.json").read_text(encoding="utf-8"))), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 
@@ -392,25 +308,53 @@ def cmd_resume(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
+    done = _finished(args.folder, run_argv)
+    if done:
+        print(f"kvexp: nothing to resume in {args.folder}: {done}", file=sys.stderr)
+        return 0
     print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
     return run_experiment(run_argv)
 
 
+def _finished(folder: Path, run_argv: list[str]) -> Optional[str]:
+    """What a resume would find finished (e.g. "its 4 jobs are finished (3 complete, 1 skipped)"), or
+    None when something is left to measure or the folder's spec cannot be composed (the resume itself
+    then says why)."""
+    from kvexp.app.preflight import finished_jobs
+
+    multirun = "-m" in run_argv
+    try:
+        jobs = compose_all([a for a in run_argv if not a.startswith("-")])
+    except ConfigError:
+        return None
+    return finished_jobs(folder.resolve(), multirun, [cfg for _, cfg in jobs])
+
+
 def cmd_validate(argv: list[str]) -> int:
+    from kvexp.results.store import RESULT_FILE
     from kvexp.results.validate import check_file
 
-    ap = _Parser(prog="kvexp validate", description="Validate kvexp result files.")
-    ap.add_argument("files", nargs="+", type=Path)
+    ap = _Parser(prog="kvexp validate", description="Validate kvexp result files (and other tools' result "
+                 "files kvexp reads); a folder: every result.json under it. One line per file; exit 1 if any "
+                 "is invalid.")
+    ap.add_argument("files", nargs="+", type=Path, help="files, or folders (every result.json under them)")
     args = ap.parse_args(argv)
     bad = 0
-    for f in args.files:
-        errs = check_file(f)
-        for e in errs:
-            print(e)
-        if errs:
+    for given in args.files:
+        found = sorted(given.rglob(RESULT_FILE)) if given.is_dir() else [given]
+        if not found:
+            print(f"{given}: no {RESULT_FILE} found in this folder")
             bad += 1
-        else:
-            print(f"{f}: valid")
+        for f in found:
+            errs = check_file(f)
+            if given.is_dir() and len(errs) > 1:  # a folder: one line per file, the file itself has them all
+                errs = [f"{errs[0]} (and {len(errs) - 1} more: kvexp validate {shlex.quote(str(f))})"]
+            for e in errs:
+                print(e)
+            if errs:
+                bad += 1
+            else:
+                print(f"{f}: valid")
     return 1 if bad else 0
 
 
@@ -488,31 +432,38 @@ def whatif_args(argv: list[str]) -> tuple[list[str], bool]:
 
 def cmd_results(argv: list[str]) -> int:
     from kvexp.analysis.aggregate import collect
+    from kvexp.app.table import results_table
     from kvexp.report.tables import csv_text
     from kvexp.results.store import ResultError
 
     ap = _Parser(prog="kvexp results", description="Every level of any mix of result files (kvexp sweeps, jobs, "
-                 "result files, the reference document, vLLM bench serve / GuideLLM / AIPerf files) as CSV, one "
-                 "row per level, with comparison.csv's columns.")
+                 "result files, the reference document, vLLM bench serve / GuideLLM / AIPerf files): an aligned "
+                 "table of the key figures, or with --csv every column of comparison.csv, one row per level.")
     ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
-    ap.add_argument("--csv", type=Path, default=None, help="write the CSV here (default: standard output)")
+    ap.add_argument("--csv", nargs="?", const="-", default=None, metavar="OUT",
+                    help="CSV instead of the table: to OUT, or to standard output when OUT is not given")
     args = ap.parse_args(argv)
     try:
-        text = csv_text(collect(args.paths))
+        agg = collect(args.paths)
     except ResultError as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
     if args.csv is None:
+        sys.stdout.write(results_table(agg))
+        return 0
+    text = csv_text(agg)
+    if args.csv == "-":
         sys.stdout.write(text)
         return 0
     from kvexp.core.paths import atomic_write
 
+    out = Path(args.csv)
     try:
-        atomic_write(args.csv, text)
+        atomic_write(out, text)
     except OSError as e:
-        print(f"kvexp: --csv {args.csv}: cannot write: {e.strerror}", file=sys.stderr)
+        print(f"kvexp: --csv {out}: cannot write: {e.strerror}", file=sys.stderr)
         return 1
-    print(f"csv: {args.csv}")
+    print(f"csv: {out}")
     return 0
 
 

@@ -12,17 +12,20 @@ from kvexp.core import __version__, config as schemas
 from kvexp.core.paths import data_dir
 
 COMMANDS = (
-    ("validate FILE...", "check files against kvexp's schemas (kvexp results, aggregates, requests.jsonl) or "
-                         "that another tool's result maps to kvexp's levels; exit 1 on any violation"),
+    ("validate PATH...", "check files against kvexp's schemas (kvexp results, aggregates, requests.jsonl) or "
+                         "that another tool's result maps to kvexp's levels; a folder: every result.json under "
+                         "it; one line per file, exit 1 on any violation"),
     ("report PATH... [--out DIR] [--title T]", "comparison report (Markdown, HTML, PDF, JSON, CSV) from any mix "
                                                "of sweep folders, job folders, result files, the reference "
                                                "document and vLLM bench serve / GuideLLM / AIPerf result files"),
-    ("results PATH... [--csv OUT]", "one row per level from the same inputs, with comparison.csv's columns "
-                                    "(to OUT, else to standard output)"),
+    ("results PATH... [--csv [OUT]]", "one row per level from the same inputs: an aligned table of the key "
+                                      "figures; --csv: comparison.csv's columns (to OUT, else to standard output)"),
     ("plan [group=option ...]", "the KV-capacity planner's table for the composed jobs (comma lists allowed)"),
     ("install SERVER [--force]", "one-time build or install of a server kvexp launches: "
                                  + ", ".join(n for n, a in REGISTRY.items() if a.installable)),
-    ("resume DIR", "finish an interrupted sweep or run folder: only what is missing is measured"),
+    ("resume DIR", "finish an interrupted sweep or run folder: only what is missing is measured (a finished "
+                   "folder: nothing to do)"),
+    ("cleanup [--dry-run]", "stop the servers a killed kvexp left running (--dry-run: only list them)"),
 )
 GROUP_SCHEMAS = {
     "backend": (schemas.BackendConfig, *(a.config_class for a in REGISTRY.values())),
@@ -83,7 +86,8 @@ def _groups() -> str:
     top = [f.name for f in dataclasses.fields(schemas.ExperimentConfig)
            if f.name not in GROUP_SCHEMAS and f.name not in ("output_dir", "client")]
     client = [f"client.{f.name}" for f in dataclasses.fields(schemas.ClientConfig)]
-    lines.append(_wrap("other keys: " + ", ".join([*top, *client]) + " (unsupported=error|skip, resume=true)", 2))
+    lines.append(_wrap("other keys: " + ", ".join([*top, *client]) + " (unsupported=auto|error|skip: a backend/kv pair that cannot run is skipped in a sweep with auto, "
+                      "the default, and refuses a single run; resume=true)", 2))
     return "\n".join(lines)
 
 
@@ -103,7 +107,8 @@ config groups (group=option picks a file in conf/GROUP/; -m with a,b,c sweeps th
 
 examples:
   python -m kvexp                                          the tiny model on llama-server (CPU), scenario smoke
-  python -m kvexp -m backend=vllm,llamacpp kv=fp16,fp8     a sweep; unsupported pairs stop it (or unsupported=skip)
+  python -m kvexp -m backend=vllm,llamacpp kv=fp16,fp8     a sweep; pairs that cannot run are skipped, with why
+                                                           (unsupported=error: refuse the sweep instead)
   python -m kvexp backend.endpoint=http://127.0.0.1:8080   attach to a running server
   python -m kvexp report outputs/sweeps/* vllm-results/*.json --out cmp
 

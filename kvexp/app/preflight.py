@@ -117,6 +117,33 @@ def existing_results(folder: Path, multirun: bool) -> dict[str, tuple[Path, Opti
     return out
 
 
+def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) -> Optional[str]:
+    """How a run or sweep folder whose every job is finished reads ("its 4 jobs are finished (3
+    complete, 1 skipped)"), or None when a resume has something left to do: a job without a result, a
+    result of another spec, a partial or failed job, quality still to measure, a sweep without its
+    summary (sweep.json)."""
+    from kvexp.quality.measure import missing  # the quality stack is loaded only for a resume
+
+    if multirun and not (folder / "sweep.json").is_file():
+        return None
+    paths = {label: path for label, (path, _) in existing_results(folder, multirun).items()}
+    counts: dict[str, int] = {}
+    for cfg in cfgs:
+        label = job_label(cfg)
+        if label not in paths:
+            return None
+        try:
+            _, doc = load_document(paths[label])
+        except ResultError:
+            return None
+        status = doc.get("status")
+        if doc.get("config_hash") != spec_hash(cfg) or status not in ("complete", "skipped") or missing(cfg, doc):
+            return None
+        counts[status] = counts.get(status, 0) + 1
+    what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return (f"its {len(cfgs)} jobs are finished ({what})" if multirun else f"its job is finished ({what})")
+
+
 def saved_task_overrides(folder: Path, multirun: bool) -> Optional[list[str]]:
     """The task overrides Hydra saved for the folder's run or sweep (None when there are none)."""
     from omegaconf import OmegaConf

@@ -44,8 +44,17 @@ class Arrival(StrEnum):
 
 
 class Unsupported(StrEnum):
+    """What to do with a backend/kv pair that cannot run: auto (skip it in a sweep, stop a single run),
+    error (stop, also a sweep, before anything runs) or skip (record it as skipped, also a single run)."""
+
+    auto = "auto"
     error = "error"
     skip = "skip"
+
+
+def skips_unsupported(policy: str, multirun: bool) -> bool:
+    """Whether a job that cannot run is recorded as skipped (True) or stops the run (False)."""
+    return policy == Unsupported.skip or (policy == Unsupported.auto and multirun)
 
 
 class DistKind(StrEnum):
@@ -282,8 +291,9 @@ class ExperimentConfig:
     gpu: GPUConfig = field(default_factory=GPUConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
-    # What to do with a backend/kv pair that cannot run: error (stop at start) or skip (record why).
-    unsupported: Unsupported = Unsupported.error
+    # What to do with a backend/kv pair that cannot run: auto (skip it in a sweep, refuse a single run),
+    # error (stop at start, also a sweep) or skip (record why, also a single run).
+    unsupported: Unsupported = Unsupported.auto
     resume: bool = False
     output_dir: str = "."  # set by Hydra to the job folder
     label: Optional[str] = None

@@ -22,7 +22,8 @@ from kvexp.backends.pool import Server, ServerPool
 from kvexp.backends.process import tail
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import ModelArch
-from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label
+from kvexp.core import machine
+from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label, skips_unsupported
 from kvexp.core.paths import SpaceReserve
 from kvexp.measure.client import ClientOptions, Observer, client_environment, make_session
 from kvexp.measure.gpu import GIB, MemorySampler, gpu_info
@@ -117,20 +118,21 @@ def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, A
 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
-            pool: Optional[ServerPool] = None) -> dict[str, Any]:
+            pool: Optional[ServerPool] = None, in_sweep: bool = False) -> dict[str, Any]:
     """Run one job and return its result (also written to out_dir/result.json after every level).
 
     With cfg.resume, a result already in out_dir from the same spec keeps its finished levels and only
     the missing ones are measured; one from another spec is refused (ResultError, nothing written).
     Whatever ends the job (a dead server, an error, an interrupt), the result says why, with the server
     log's tail, and a server is kept in `pool` for the next job only after a complete one (no pool:
-    the job's server is stopped when it ends)."""
+    the job's server is stopped when it ends). A KV dtype the server cannot run here is recorded as
+    skipped where cfg.unsupported says so for a job of a sweep (in_sweep) or a single run."""
     own_pool = pool is None
     pool = pool or ServerPool()
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = backends.create(cfg)
     unsupported = backend.unsupported_reason()  # e.g. fp8 KV on this CPU
-    if unsupported and cfg.unsupported == "skip":
+    if unsupported and skips_unsupported(cfg.unsupported, in_sweep):
         return skipped_result(cfg, out_dir, unsupported)
     if unsupported:
         raise ConfigError(unsupported)
@@ -314,6 +316,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     before = await watch.sample(_sample(backend, session))
     sampler.window()
     gauges.window()
+    cpu_before = machine.cpu_times()
     if observer:
         observer.level_started(value, work.size, repeat)
     hung = None
@@ -330,6 +333,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     except ServerHung as e:
         hung, run = str(e), hung_level_run(reqs, str(e))
     records = run.records
+    load = machine.load_view(cpu_before, machine.cpu_times())
     seen = gauges.window()
     # a hung server would not answer
     after = None if hung else await _sample(backend, session)
@@ -360,6 +364,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     if kind == "rate":
         level.achieved_rate = stats.start_rate(records)
         level.scheduled_rate = stats.start_rate(records, scheduled=True)
+    level.machine = load
     level.server = backend.server_view(records, counters_before, counters_after)
     level.delivery = stats.delivery(records)
     level.peak_kv_cache_usage, level.kv_usage_sampled_peak = kv_peak(level.peak_kv_cache_usage, level.preemptions)
@@ -502,7 +507,8 @@ def _learn(res: dict[str, Any]) -> None:
 
 
 def skipped_result(cfg: ExperimentConfig, out_dir: Path, reason: str) -> dict[str, Any]:
-    """A job that was not run (an unsupported backend/KV pair with unsupported=skip), recorded as such."""
+    """A job that was not run (an unsupported backend/KV pair skipped, see config.skips_unsupported),
+    recorded as such."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = Job(cfg, out_dir, new_result(cfg, None))
     job.result.update(status="skipped", status_reason=reason, finished_at=utc_now())

@@ -108,6 +108,7 @@ class Level:
     # the server's own timing of the same requests (stats.server_view_*), and how tokens arrived
     server: Optional[dict[str, Any]] = None
     delivery: Optional[dict[str, Any]] = None
+    machine: Optional[dict[str, Any]] = None  # the machine's load over the level (core.machine.load_view)
     kv_usage_sampled_peak: Optional[float] = None  # set when preemptions prove a higher peak than sampled
     # the workload as asked and as the server counted it (stats.workload_view), the server's prefix
     # cache over the level (Adapter.prefix_cache), whether it was reset before, and per-turn figures
@@ -199,7 +200,19 @@ def figure_warnings(level: Level, client_limits: Optional[Sequence[str]] = None)
                               f"p50 {p50:.1f} ms", {"ttft_p50_ms": p50, "ttft_p95_ms": p95}))
     if client_limits or (client_limits is None and level.client_limited):
         why = "; ".join(client_limits) + ": the client" if client_limits else "the client"
-        w.append(LevelWarning("client_limited", f"{why} may have limited this level (set client.workers)",
+        # The likely cause decides the advice: a client process busy for most of a core is short of
+        # processes (more workers help); a late event loop in a mostly idle client waited for cores the
+        # machine gave to others (the server on the same cores), which more workers would only crowd.
+        busy_share = 0.5
+        cpu = level.client_cpu_util
+        if cpu is None:
+            advice = "set client.workers if the client was busy, else the machine was loaded"
+        elif cpu >= busy_share:
+            advice = "set client.workers for more client processes"
+        else:
+            advice = (f"the client process was busy only {cpu * 100:.0f} % of a core, so the machine was loaded: "
+                      "the server shares the cores with the client, and more client workers would not help")
+        w.append(LevelWarning("client_limited", f"{why} may have limited this level ({advice})",
                               {"loop_lag_p99_ms": level.loop_lag_p99_ms, "client_cpu_util": level.client_cpu_util}))
     return w
 
@@ -239,7 +252,8 @@ def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                               f"{_pct(predicted_kv_usage)}: the server holds more than the requests need, or the "
                               "plan describes another cache", {"peak": peak, "predicted": predicted_kv_usage}))
     d = level.delivery or {}
-    server_tpot = (level.server or {}).get("tpot_p50_ms") or (level.server or {}).get("tpot_mean_ms")
+    server_p50 = (level.server or {}).get("tpot_p50_ms")
+    server_tpot = server_p50 or (level.server or {}).get("tpot_mean_ms")
     if d.get("bursts"):
         w.append(LevelWarning("bursts", f"server streamed in bursts ({d['tokens_per_chunk']:g} tokens per chunk, "
                               f"{d['multi_token_chunk_share'] * 100:.0f} % of chunks multi-token): client TPOT/ITL "
@@ -247,10 +261,11 @@ def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                                                                   if server_tpot else ""),
                               {"tokens_per_chunk": d["tokens_per_chunk"],
                                "multi_token_chunk_share": d["multi_token_chunk_share"], "server_tpot_ms": server_tpot}))
-    elif server_tpot and level.tpot_p50_ms and abs(level.tpot_p50_ms - server_tpot) > TPOT_AGREEMENT * server_tpot:
+    elif server_p50 and level.tpot_p50_ms and abs(level.tpot_p50_ms - server_p50) > TPOT_AGREEMENT * server_p50:
+        # median against median: a server that reports only a mean is not compared with the client's median
         w.append(LevelWarning("tpot_disagrees", f"client TPOT p50 {level.tpot_p50_ms:g} ms and the server's "
-                              f"{server_tpot:g} ms differ by more than {TPOT_AGREEMENT * 100:.0f} %",
-                              {"client_tpot_p50_ms": level.tpot_p50_ms, "server_tpot_ms": server_tpot}))
+                              f"p50 {server_p50:g} ms differ by more than {TPOT_AGREEMENT * 100:.0f} %",
+                              {"client_tpot_p50_ms": level.tpot_p50_ms, "server_tpot_ms": server_p50}))
     if level.rate is not None and level.max_waiting:
         w.append(LevelWarning("server_queueing", f"up to {level.max_waiting} requests waited in the server's queue: "
                               "its slots, not the client, held them back", {"max_waiting": level.max_waiting}))

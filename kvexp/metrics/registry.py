@@ -3,7 +3,7 @@ which direction is better, which level warnings make it not firm, whether a back
 it, whether it is summarised over repeats, and whose per-request spread stands for its noise.
 
 Statistics (stats.REPEAT_FIGURES), the noise test, findings, the CSV, the job and sweep summaries, the
-report's tables and the README's metric table all read this table; nothing else spells a label, a
+report's tables and docs/METRICS.md (generated from it) all read this table; nothing else spells a label, a
 unit or a number format of a level figure. A missing value is written by one rule (`missing_text`):
 "not exposed" for a figure the backend does not report, "not recorded" for one another tool's file
 does not hold, "—" otherwise."""
@@ -119,6 +119,13 @@ _TABLE: list[Metric] = [
     Metric("client_cpu_util", "Client CPU", "%", Fmt.pct,
            doc="CPU time over wall time of the busiest process that sent the level's requests "
                "(1 = one core fully busy)"),
+    # the machine's load over the level: what a comparison across runs must state
+    Metric("machine.load_avg_1m", "Load average", "", Fmt.fine,
+           doc="the machine's 1-minute load average at the level's end"),
+    Metric("machine.busy_share", "Machine CPU busy", "%", Fmt.pct,
+           doc="share of all usable CPU time that was busy over the level (server, client and any other process)"),
+    Metric("machine.steal_share", "CPU steal", "%", Fmt.pct, "lower",
+           doc="share of all CPU time the hypervisor gave to other machines over the level"),
     # the server's own timing of the same requests, and how their tokens arrived
     Metric("server.ttft_mean_ms", "Server TTFT mean", "ms", Fmt.coarse, "lower",
            doc="the server's own time to first token, mean"),
@@ -188,6 +195,25 @@ def missing_text(key: str, *, level_failed: bool, exposed_elsewhere: bool, forei
     if m is None or not m.exposure or level_failed or exposed_elsewhere:
         return UNKNOWN
     return NOT_RECORDED if foreign else NOT_EXPOSED
+
+
+def shown_value(level: dict[str, Any], key: str) -> Optional[str]:
+    """A level figure as a person may read it when a warning of the level disqualifies it, else None
+    (format it plainly): burst-delivered TPOT p50 shows the server's own TPOT marked "(server)", the
+    other burst-delivered latencies "— (bursts)"; an under-sampled KV peak shows as a lower bound."""
+    m = METRICS.get(key)
+    codes = {w.get("code") for w in level.get("warnings") or [] if isinstance(w, dict)} & \
+        set(m.disqualified_by if m else ())
+    if "bursts" in codes:
+        server = level_value(level, "server.tpot_p50_ms")
+        server = server if is_num(server) else level_value(level, "server.tpot_mean_ms")
+        if key == "tpot_p50_ms" and is_num(server):
+            return f"{format_value(key, server)} (server)"
+        return f"{UNKNOWN} (bursts)"
+    peak = level_value(level, key)
+    if "kv_undersampled" in codes and is_num(peak):
+        return f"≥ {format_value(key, peak)}" if peak > 0 else f"{UNKNOWN} (under-sampled)"
+    return None
 
 
 # Figures that are not a level's (the planner's, a model's, quality's), written by the same formats.

@@ -46,7 +46,7 @@ class Check:
 
     @property
     def sentence(self) -> str:
-        what = f"{self.preset or self.model} {self.kv_dtype} on {self.gpu_gib} GiB"
+        what = f"{self.preset or self.model} {self.kv_dtype}" + (f" on {self.gpu_gib:g} GiB" if self.gpu_gib else "")
         if self.kvexp_tokens is None:
             return f"The document's prediction for {what} could not be recomputed: {self.reason}."
         if self.agrees:
@@ -147,7 +147,9 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Mapping[str, Any],
 def check_document(aggregate: Mapping[str, Any]) -> list[Check]:
     """Every calibration row of the aggregate, recomputed by kvexp's planner."""
     rows = aggregate.get("calibration") or []
-    return [check_row(i, r, aggregate) for i, r in enumerate(rows) if isinstance(r, Mapping)]
+    # a row without a GPU size (a CPU run) holds no prediction to recompute: a GPU's capacity needs its size
+    return [check_row(i, r, aggregate) for i, r in enumerate(rows) if isinstance(r, Mapping)
+            and r.get("gpu_gib") is not None]
 
 
 def kvexp_tokens(row: Mapping[str, Any], aggregate: Mapping[str, Any]) -> Optional[int]:

@@ -54,6 +54,7 @@ class Series:
     ys: tuple[Optional[float], ...]
     marker: str = "o"
     linestyle: str = "-"
+    point_labels: tuple[str, ...] = ()  # written beside each point ("c=4"), for charts whose x is not the level
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class ChartSpec:
     hlines: tuple[tuple[float, str], ...] = ()  # (y, what it is), drawn grey and named in the style key
     style_key: tuple[tuple[str, str], ...] = ()  # (linestyle, meaning), e.g. ("--", "planner prediction")
     logy: bool = False  # for latencies that span orders of magnitude
+    legend: bool = False  # name the series in the chart (short names) instead of the scenario's shared legend
+    data_ticks: bool = True  # x ticks at the data's x values (levels); False for a continuous x (latency)
 
 
 @dataclass(frozen=True)
@@ -159,16 +162,20 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             xs_all.update(x for x, _ in pts)
             ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
                     markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
+            for (x, y), text in zip(pts, s.point_labels):
+                if not math.isnan(y):
+                    ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
+                                color=s.colour)
         for y, _what in spec.hlines:
             ax.axhline(y, color="#555555", linestyle=":", linewidth=1)
         if spec.logx and xs_all and min(xs_all) > 0:
-            ax.set_xscale("log", base=2)
+            ax.set_xscale("log", base=2 if spec.data_ticks else 10)
             ax.xaxis.set_minor_locator(NullLocator())
             ax.xaxis.set_minor_formatter(NullFormatter())
-            if len(xs_all) <= 12:
+            if len(xs_all) <= 12 and spec.data_ticks:
                 ax.set_xticks(sorted(xs_all))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
-        elif len(xs_all) <= 12 and xs_all:
+        elif len(xs_all) <= 12 and xs_all and spec.data_ticks:
             ax.set_xticks(sorted(xs_all))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
         if spec.logy:
@@ -183,6 +190,9 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
                for ls, what in spec.style_key]
         key += [Line2D([], [], color="#555555", linestyle=":", linewidth=1, label=_text(what))
                 for _y, what in spec.hlines]
+        if spec.legend:
+            key += [Line2D([], [], color=s.colour, marker=s.marker, markersize=3.5, linewidth=1.4,
+                           label=_text(s.label)) for s in spec.series]
         if key:
             ax.legend(handles=key, loc="best", frameon=False)
         svg_text, png = _save(fig, spec.name, png_dir, rel_dir, svg)

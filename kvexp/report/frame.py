@@ -9,6 +9,7 @@ table as CSV without it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterable, Union
 
@@ -33,11 +34,11 @@ def results_table(paths: Union[PathLike, Iterable[PathLike]]) -> tuple[list[str]
 
 
 def results_frame(paths: Union[PathLike, Iterable[PathLike]]) -> Any:
-    """A pandas DataFrame, one row per level, the columns of comparison.csv (missing values are None/NaN,
-    never 0)."""
+    """A pandas DataFrame, one row per level, the columns of comparison.csv (missing values are NaN, never
+    0 or None)."""
     try:
         import pandas as pd  # lazy: an optional extra (kvexp[frame]); without it, say how to install it
     except ImportError:
         raise FrameUnavailable("results_frame needs pandas: pip install 'kvexp[frame]' (or pandas)") from None
     head, rows = results_table(paths)
-    return pd.DataFrame(rows, columns=head)
+    return pd.DataFrame([[math.nan if v is None else v for v in row] for row in rows], columns=head)

@@ -7,10 +7,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from kvexp.analysis.documents import backend_name, kv_name
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
+from kvexp.analysis.verdict import bytes_per_token, drift, short_names
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
 from kvexp.report.tables import Table, drop_empty
+
+
+def _memory_vs_drift(agg: dict, colours: dict[str, str]) -> list[C.Series]:
+    """Per backend and model: one point per KV dtype at (mean KLD at the deepest depth, KV bytes per
+    token), labelled with the dtype: what a smaller KV dtype saves against what it costs."""
+    runs = list(agg.get("runs") or [])
+    mem: dict[tuple, float] = {}
+    for r in runs:
+        b = bytes_per_token(r)
+        if b is not None:
+            mem.setdefault((r.get("backend"), r.get("model"), kv_name(r).name), b)
+    groups: dict[tuple, dict[str, tuple[float, float]]] = {}
+    first: dict[tuple, dict] = {}
+    for r in runs:
+        d, key = drift(r), (r.get("backend"), r.get("model"), kv_name(r).name)
+        if d is not None and key in mem and key[2]:
+            groups.setdefault(key[:2], {}).setdefault(key[2], (d[0], mem[key]))
+            first.setdefault(key[:2], r)
+    names = len({m for _, m in groups}) > 1
+    out = []
+    for (backend, model), pts in groups.items():
+        r = first[(backend, model)]
+        order = sorted(pts.items(), key=lambda kv: kv[1][1])
+        label = backend_name(backend) + (f", {str(model).rsplit('/', 1)[-1]}" if names else "")
+        out.append(C.Series(label, colours.get(str(r.get("label")), "#1f77b4"), tuple(p[0] for _, p in order),
+                            tuple(p[1] for _, p in order), C.marker(backend), point_labels=tuple(k for k, _ in order)))
+    return out
 
 
 def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
@@ -24,6 +53,7 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
                "PPL base", "PPL", "ΔPPL", "KV capacity (tokens)", "Identical continuations", "First diff (mean)",
                "Prefix agree", "Baseline from"]
     rows, series, methods, notes = [], [], {}, []
+    names = short_names(runs)
     for r in runs:
         q = r["quality"]
         tf, cont, base = q.get("teacher_forced") or {}, q.get("continuation") or {}, q.get("baseline") or {}
@@ -56,7 +86,7 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
             pts = []
         if pts:
             label = str(r.get("label"))
-            series.append(C.Series(label, colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
+            series.append(C.Series(names[label], colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
                                    tuple(y for _, y in pts), C.marker(r.get("backend"))))
     ys = [y for s_ in series for y in s_.ys if y is not None]
     logy = bool(ys) and max(ys) / min(ys) > 20
@@ -69,6 +99,11 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
                            "Context depth (tokens)", "Mean KLD (nats" + (", log scale)" if logy else ")"),
                            tuple(series), logx=True, logy=logy)
         charts.append(C.render_chart(spec, png_dir, svg))
+    trade = _memory_vs_drift(agg, colours)
+    if trade:
+        charts.insert(0, C.render_chart(C.ChartSpec(
+            "quality-memory", "KV memory per token vs drift, per KV dtype", "Mean KLD at the deepest depth (nats)",
+            "KV cache bytes per token", tuple(trade), legend=True, data_ticks=False), png_dir, svg))
     entries = [(s_.label, s_.colour, s_.marker) for s_ in series]
     legend = C.render_legend("quality-legend", entries, png_dir, svg=False) if entries and png_dir is not None else None
     table = Table(headers, rows, [False, False, False] + [True] * 13 + [False], kind="wide")

@@ -26,6 +26,7 @@ from markupsafe import Markup
 
 from kvexp.analysis import documents as D, findings as F, flags as FL
 from kvexp.analysis.recommend import recommendations
+from kvexp.analysis.verdict import verdicts
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.planning import recompute
@@ -88,6 +89,12 @@ _FINDING_GROUPS = (
 )
 
 
+def skipped_runs(runs: list[dict]) -> list[dict[str, str]]:
+    """The sweep's jobs that could not run (an unsupported backend x KV pair): label and reason."""
+    return [{"label": str(r.get("label")), "reason": D.first_line(r.get("status_reason")) or "no reason recorded"}
+            for r in runs if D.run_status(r) == "skipped"]
+
+
 def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
                   svg: bool = True) -> dict:
     """Everything the templates show, as plain strings, tables and rendered charts."""
@@ -112,6 +119,8 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
     return {
+        "verdicts": [v.to_json() for v in verdicts(aggregate)],
+        "skipped": skipped_runs(runs),
         "recommendations": [r["sentence"] for r in recommendations(aggregate)],
         "title": title or aggregate.get("title") or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D, flags as FL, runplan as RP
+from kvexp.analysis.verdict import short_names
 from kvexp.metrics import registry
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import format_value, is_num
@@ -152,12 +153,32 @@ def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], sca
             linestyle: str = "-") -> list[C.Series]:
     out = []
     for r in runs:
-        pts = [(level_x(lv)[1], D.num(lv, key)) for lv in D.sorted_levels(r)  # type: ignore[index]
-               if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)]
+        # a figure a warning disqualifies (registry.shown_value) is not drawn as if it were plain
+        pts = [(level_x(lv)[1], None if registry.shown_value(lv, key) else D.num(lv, key))  # type: ignore[index]
+               for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)]
         if any(y is not None for _, y in pts):
             out.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(x for x, _ in pts),
                                 tuple(None if y is None else y * scale for _, y in pts),
                                 C.marker(r.get("backend")), linestyle))
+    return out
+
+
+def _pareto(runs: list[dict], xkind: str, latency: str, colours: dict[str, str]) -> list[C.Series]:
+    """Throughput (y) against a latency percentile (x), one line per run through its levels, each point
+    labelled with its level; a point whose latency a warning disqualifies (registry.shown_value) is left out."""
+    names = short_names(runs)
+    out = []
+    for r in runs:
+        pts = [(D.num(lv, latency), D.num(lv, "throughput_tok_s"), level_x(lv)[1])  # type: ignore[index]
+               for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)
+               and registry.shown_value(lv, latency) is None]
+        pts = [(x, y, lv) for x, y, lv in pts if x is not None and y is not None and x > 0]
+        if pts:
+            tag = "c=" if xkind == "concurrency" else ""
+            unit = "" if xkind == "concurrency" else "/s"
+            out.append(C.Series(names[str(r.get("label"))], colours[str(r.get("label"))], tuple(x for x, _, _ in pts),
+                                tuple(y for _, y, _ in pts), C.marker(r.get("backend")),
+                                point_labels=tuple(f"{tag}{lv:g}{unit}" for _, _, lv in pts)))
     return out
 
 
@@ -181,15 +202,24 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
         elif name != "kv":  # a KV chart without data is explained by the "not exposed" note below
             notes.append(f"{title}: no data.")
 
+    for lat, what in (("ttft_p95_ms", "TTFT p95"), ("tpot_p95_ms", "TPOT p95")):
+        pareto = _pareto(runs, xkind, lat, colours)
+        if pareto:
+            wide = C.span_is_wide(x for s_ in pareto for x in s_.xs)
+            specs.append(C.ChartSpec(f"{stem}-pareto-{lat.split('_')[0]}", f"{scen}: throughput vs {what}",
+                                     f"{what} (ms" + (", log scale)" if wide else ")"), "Throughput (tok/s)",
+                                     tuple(pareto), logx=wide, legend=True, data_ticks=False))
     add("throughput", "throughput", "Throughput (tok/s)", _series(runs, xkind, "throughput_tok_s", colours))
     ttft = _series(runs, xkind, "ttft_p50_ms", colours) + _series(runs, xkind, "ttft_p95_ms", colours, linestyle=":")
     wide = _wide_y(ttft)
     add("ttft", "TTFT p50 and p95", "Time to first token (ms" + (", log scale)" if wide else ")"), ttft,
         style_key=(("-", "p50"), (":", "p95")), logy=wide)
     tpot = _series(runs, xkind, "tpot_p50_ms", colours) + _series(runs, xkind, "tpot_p95_ms", colours, linestyle=":")
-    has_p95 = any(s.linestyle == ":" for s in tpot)
-    add("tpot", "TPOT p50" + (" and p95" if has_p95 else ""), "Time per output token (ms)", tpot,
-        style_key=(("-", "p50"), (":", "p95")) if has_p95 else ())
+    server = _series(runs, xkind, "server.tpot_p50_ms", colours, linestyle="--")
+    styles = [(ls, what) for ls, what in (("-", "p50"), (":", "p95"), ("--", "server's own p50"))
+              if any(s_.linestyle == ls for s_ in tpot + server)]
+    add("tpot", "TPOT" + (" p50" if styles == [("-", "p50")] else ""), "Time per output token (ms)", tpot + server,
+        style_key=tuple(styles) if len(styles) > 1 or server else ())
     mem = _series(runs, xkind, "peak_vram_gib", colours)
     rss = _series(runs, xkind, "peak_rss_gib", colours, linestyle="-.")
     gib = agg.get("gpu_gib")
@@ -252,7 +282,8 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
             notes += n
             charts += [C.render_chart(s, png_dir, svg) for s in specs]
-        entries = [(str(r.get("label")), colours[str(r.get("label"))], C.marker(r.get("backend")))
+        names = short_names(runs)  # backend + KV dtype (+ model where it varies), not job ids
+        entries = [(names[str(r.get("label"))], colours[str(r.get("label"))], C.marker(r.get("backend")))
                    for r in runs if any(D.usable(r, lv) for lv in r.get("levels") or [])]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
         legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \

@@ -4,7 +4,6 @@ commands; and the report's default title."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Any, Optional
 
@@ -33,9 +32,21 @@ def device_text(aggregate: dict) -> Optional[str]:
     return f"CPU only: {cpu}" if cpu else None
 
 
+def _plain(v: object) -> str:
+    """A value as a person reads it: a mapping as "key value, ...", a list joined by spaces (a command line),
+    unknown as "—"."""
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_plain(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        return " ".join(_plain(x) for x in v)
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return "—" if v is None else str(v)
+
+
 def default_title(aggregate: dict) -> str:
     gpu = device_text(aggregate) or "unknown GPU"
-    models = uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [])
+    models = uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped")
     what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
     return f"kvexp comparison — {gpu} — {what}"
 
@@ -78,8 +89,7 @@ def setup_view(agg: dict) -> dict:
     env_table = None
     env = agg.get("environment")
     if isinstance(env, dict) and env:
-        env_table = Table(["Key", "Value"], [[str(k), v if isinstance(v, str) else json.dumps(v, sort_keys=True)]
-                                             for k, v in env.items()], kind="kv")
+        env_table = Table(["Key", "Value"], [[str(k), _plain(v)] for k, v in env.items()], kind="kv")
 
     backend_rows = []
     for b in backends:
@@ -115,7 +125,8 @@ def setup_view(agg: dict) -> dict:
             format_value("blocks", kv.get("blocks")), format_value("block_size", kv.get("block_size")),
             format_value("capacity_tokens", kv_capacity(kv)),
             format_value("kv_gib", _gib(kv.get("bytes"))),
-            format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization")),
+            # a share of GPU memory means nothing on a run without a GPU (vLLM's CPU build still reports one)
+            format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization") if r.get("gpu") else None),
             format_value("max_concurrency", kv.get("max_concurrency")),
             ", ".join(map(str, src)) if isinstance(src, list) else format_value("source", src),
         ])

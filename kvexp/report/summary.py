@@ -15,22 +15,22 @@ from jinja2 import Environment
 
 from kvexp import backends
 from kvexp.analysis.aggregate import collect
-from kvexp.analysis.documents import run_status
+from kvexp.analysis.documents import run_status, scenarios
+from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
 from kvexp.planning import prediction, whatif
-from kvexp.report.tables import Table, header, numeric
+from kvexp.report.tables import Table, header, numeric, text_table
 from kvexp.report.templating import environment
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
-# The level tables' columns, registry keys: the reference document's, then kvexp's additions.
-COLUMNS = ("concurrency", "requests", "errors", "throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms",
-           "tpot_p50_ms", "itl_p50_ms", "e2e_p50_ms", "peak_vram_gib", "peak_rss_gib", "peak_kv_cache_usage",
-           "preemptions", "mean_prompt_tokens", "mean_output_tokens", "wall_s")
+# The level tables' columns, registry keys: what a reader decides from (every other figure is in
+# result.json, comparison.csv and the report's detail tables).
+COLUMNS = ("concurrency", "requests", "errors", "throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms",
+           "itl_p50_ms", "e2e_p50_ms", "peak_vram_gib", "peak_rss_gib", "peak_kv_cache_usage", "preemptions")
 # shown only when some level of the job has them
-OPTIONAL_COLUMNS = ("repeat", "goodput_req_s", "client_queue_p99_ms", "server.tpot_p50_ms", "server.tpot_mean_ms",
-                    "delivery.tokens_per_chunk")
+OPTIONAL_COLUMNS = ("repeat", "goodput_req_s", "server.tpot_p50_ms")
 # figures summarised over a level's repeats (each in registry.REPEATED), then how many repeats
 REPEAT_COLUMNS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "goodput_req_s")
 LEVEL_HEADER = "Level"  # the repeats table's first column: a level's concurrency or rate (not a metric)
@@ -59,6 +59,9 @@ def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreig
     v = registry.level_value(level, key)
     if key == "repeat" and isinstance(v, int):
         return str(v + 1)
+    shown = registry.shown_value(level, key)
+    if shown is not None:
+        return shown
     if v is None:
         return registry.missing_text(key, level_failed=failed, exposed_elsewhere=exposed, foreign=foreign)
     return registry.format_value(key, v)
@@ -220,6 +223,37 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list
 
     written += list(render_report(agg, sweep_dir / "report").values())
     return written
+
+
+def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
+    """A single run's report (the sweep's, over one job) in job_dir/report; (its aggregate, the files)."""
+    from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
+
+    agg = collect([job_dir / RESULT_FILE])
+    return agg, list(render_report(agg, job_dir / "report").values())
+
+
+def end_of_run_text(agg: dict[str, Any]) -> str:
+    """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
+    job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
+    lines = [f"verdict: {v.sentence}" for v in verdicts(agg)] or ["verdict: no job measured comparable levels"]
+    runs = list(agg.get("runs") or [])
+    names: dict[str, str] = {}
+    for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
+        names.update(short_names(scenario_runs))
+    rows = []
+    for r in runs:
+        lvs = [lv for lv in r.get("levels") or [] if lv.get("status", "ok") == "ok"
+               and registry.is_num(lv.get("throughput_tok_s"))]
+        peak = max(lvs, key=lambda lv: lv["throughput_tok_s"], default=None)
+        bpt = bytes_per_token(r)
+        figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
+                   + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
+                   if peak else [registry.UNKNOWN] * 4)
+        rows.append([str(r.get("label")), names[str(r.get("label"))], run_status(r), *figures,
+                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}"])
+    head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
+    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5)))
 
 
 # ---------------------------------------------------------------- the planner's table (`kvexp plan`)

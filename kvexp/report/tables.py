@@ -51,6 +51,17 @@ def column_widths(headers: list[str], rows: list[list[str]], lo: int = 5, hi: in
     return [round(100 * c / total, 2) for c in chars]
 
 
+def text_table(t: Table, rule: bool = True) -> list[str]:
+    """The table as aligned plain-text lines for a terminal (numeric columns right-aligned), with a rule
+    of dashes under the header."""
+    widths = [max([len(h), *(len(row[i]) for row in t.rows)]) for i, h in enumerate(t.headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, t.numeric)).rstrip()
+
+    return [line(t.headers), *([line(["-" * w for w in widths])] if rule else []), *(line(row) for row in t.rows)]
+
+
 def md_table(t: Table, escape: bool = True) -> str:
     """The table in Markdown; escape=False for cells that are Markdown already (figures and **flags**)."""
     head = "| " + " | ".join(md_escape(h) for h in t.headers) + " |"
@@ -111,6 +122,9 @@ _REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}  # read f
 def level_cell(run: dict, level: dict, key: str) -> str:
     """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
     v = FL.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else registry.level_value(level, key)
+    shown = None if key in _REPEAT_KEYS else registry.shown_value(level, key)
+    if shown is not None:
+        return shown
     if v is None:
         failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
         return registry.missing_text(key, level_failed=failed, exposed_elsewhere=D.exposes(run, key),
@@ -130,7 +144,7 @@ def tool_name(run: dict) -> str:
 
 # The run columns before the level keys ("tool" only when a run came from another tool's file).
 CSV_RUN_COLUMNS = ("label", "tool", "backend", "model", "scenario", "kv_dtype", "kv_dtype_source", "run_status")
-NESTED_LEVEL_BLOCKS = ("server", "delivery", "prefix_cache")  # a level's blocks whose figures get a column each
+NESTED_LEVEL_BLOCKS = ("server", "delivery", "prefix_cache", "machine")  # a level's blocks whose figures get a column each
 
 
 def _flat_keys(level: dict) -> list[str]:
@@ -165,14 +179,22 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
 
 
 def csv_text(aggregate: dict) -> str:
-    """comparison.csv's text: level_table with empty cells for missing values, JSON for lists and objects."""
+    """comparison.csv's text: level_table with empty cells for missing values; warnings as their codes
+    ("few_requests; bursts"), a flat mapping as "key=value; ...", anything deeper as JSON."""
     head, rows = level_table(aggregate)
+
+    def scalar(v: Any) -> bool:
+        return v is None or isinstance(v, (str, int, float, bool))
 
     def cell(v: Any) -> Any:
         if v is None:
             return ""
         if isinstance(v, bool):
             return "true" if v else "false"
+        if isinstance(v, list) and v and all(isinstance(w, dict) and "code" in w for w in v):
+            return "; ".join(str(w["code"]) for w in v)
+        if isinstance(v, dict) and all(scalar(x) for x in v.values()):
+            return "; ".join(f"{k}={cell(x)}" for k, x in v.items())
         if isinstance(v, (list, dict)):
             return json.dumps(v, sort_keys=True)
         return v

@@ -1,0 +1,342 @@
+"""One verdict per scenario, written as a person would say it: the configuration to run, why, and the
+caveat that limits it. Pure: an aggregate in, Verdicts out.
+
+How a verdict is reached, in order:
+
+1. The speed figure decides first: with a latency objective, the most concurrent users (or the highest
+   request rate) within it (recommend.capacity); without one, peak throughput. Every configuration whose
+   figure is not measurably below the best one's (noise.compare: the repeats' CIs, else a 5 % minimum
+   effect and the levels' own dispersion) ties with it. A difference within noise is never a winner.
+2. Among the tied, quality: a KV dtype whose measured mean KL divergence (deepest depth measured, from any
+   run of the same backend, model and KV dtype) exceeds DRIFT_LIMIT drops out while one within it remains.
+3. Then KV memory per token (the server's own KV bytes over its token capacity): less memory per token is
+   more capacity in the same memory, which is why one picks a smaller KV dtype.
+4. Then lower drift, then throughput. Configurations left equal on every count are named together.
+
+The caveat names what limits the verdict: one run each (and the noise threshold that implies), runs of
+different weights, model files or engine builds, and machine load that differed between runs (a lead
+measured under other load is not called one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvexp.analysis import documents as D, noise, recommend
+from kvexp.analysis.qualityfindings import fmt_kld
+from kvexp.metrics.levels import level_x
+from kvexp.metrics.registry import is_num
+
+# A mean KL divergence (nats per token, against the 16-bit cache) above which a KV dtype's drift is
+# called visible: llama.cpp's q8_0 caches measure about 0.001-0.003, q4_0 0.02 and more.
+DRIFT_LIMIT = 0.01
+
+
+@dataclass(frozen=True)
+class Candidate:
+    run: dict
+    name: str  # the short name: backend + KV dtype (+ model when models vary)
+    figure: Optional[float]  # capacity within the SLO, or peak throughput
+    level: Optional[dict]  # the level the figure was read at
+    bytes_per_token: Optional[float]
+    drift: Optional[tuple[float, int]]  # (mean KLD, depth)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    scenario: str
+    choice: tuple[str, ...]  # short names of the configuration(s) to run; () when nothing can be said
+    why: str
+    caveat: str
+
+    @property
+    def sentence(self) -> str:
+        return " ".join(s for s in (self.why, self.caveat) if s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat}
+
+
+def short_names(runs: list[dict]) -> dict[str, str]:
+    """Label -> "llama.cpp q8_0" (+ the model where one backend served several: each backend serves its own
+    file of a model, a GGUF or a checkpoint, which the verdict's caveat names; + the label where still
+    ambiguous)."""
+    models: dict[str, set[str]] = {}
+    for r in runs:
+        if D.run_status(r) != "skipped":  # a skipped job names the model option, not the file it would serve
+            models.setdefault(str(r.get("backend")), set()).add(str(r.get("model")))
+    varies = any(len(m) > 1 for m in models.values())
+    names = {}
+    for r in runs:
+        kv = D.kv_name(r).name or "default KV"
+        name = f"{D.backend_name(r.get('backend'))} {kv}"
+        if varies:
+            name += f", {str(r.get('model')).rsplit('/', 1)[-1]}"
+        names[str(r.get("label"))] = name
+    counts: dict[str, int] = {}
+    for n in names.values():
+        counts[n] = counts.get(n, 0) + 1
+    return {lab: (n if counts[n] == 1 else f"{n} ({lab})") for lab, n in names.items()}
+
+
+def bytes_per_token(run: dict) -> Optional[float]:
+    kv = run.get("kv_cache") or {}
+    b, t = kv.get("bytes"), kv.get("capacity_tokens")
+    return float(b) / float(t) if is_num(b) and is_num(t) and t > 0 else None
+
+
+def drift(run: dict) -> Optional[tuple[float, int]]:
+    """(mean KLD, depth) at the deepest depth the run's quality block measured."""
+    q = run.get("quality") if isinstance(run.get("quality"), dict) else {}
+    depths = [d for d in ((q.get("teacher_forced") or {}).get("depths") or [])
+              if d.get("status") == "ok" and is_num(d.get("kld_mean")) and is_num(d.get("context"))]
+    if not depths:
+        return None
+    d = max(depths, key=lambda d: d["context"])
+    return float(d["kld_mean"]), int(d["context"])
+
+
+def _key(run: dict) -> tuple[str, str, Optional[str]]:
+    return str(run.get("backend")), str(run.get("model")), D.kv_name(run).name
+
+
+def _lookups(aggregate: dict) -> tuple[dict, dict]:
+    """KV bytes per token and drift per (backend, model, KV dtype), from any run that measured them."""
+    mem: dict[tuple, float] = {}
+    kld: dict[tuple, tuple[float, int]] = {}
+    for r in aggregate.get("runs") or []:
+        b, q = bytes_per_token(r), drift(r)
+        if b is not None:
+            mem.setdefault(_key(r), b)
+        if q is not None:
+            kld.setdefault(_key(r), q)
+    return mem, kld
+
+
+def _peak(run: dict) -> Optional[dict]:
+    levels = [lv for lv in D.sorted_levels(run) if D.usable(run, lv) and level_x(lv)
+              and D.num(lv, "throughput_tok_s") is not None]
+    return max(levels, key=lambda lv: D.num(lv, "throughput_tok_s") or 0.0, default=None)
+
+
+def _candidates(runs: list[dict], slo: Optional[dict], names: dict, mem: dict, kld: dict) -> list[Candidate]:
+    out = []
+    for r in runs:
+        if slo is not None:
+            cap = recommend.capacity(r, slo)
+            fig, lv = cap["capacity"], cap["level"]
+        else:
+            lv = _peak(r)
+            fig = D.num(lv, "throughput_tok_s") if lv else None
+        out.append(Candidate(r, names[str(r.get("label"))], fig, lv, mem.get(_key(r)), kld.get(_key(r))))
+    return out
+
+
+def _ties(best: Candidate, cands: list[Candidate], slo: Optional[dict]) -> tuple[list[Candidate], list[Any]]:
+    """Those not measurably below the best on the speed figure, and the noise verdicts that said so."""
+    tied, verdicts = [best], []
+    for c in cands:
+        if c is best or c.figure is None:
+            continue
+        if slo is not None and c.figure < best.figure:  # type: ignore[operator]
+            continue  # fewer users within the objective: a count, not a noisy estimate
+        v = noise.compare(best.run, best.level, c.run, c.level) if best.level and c.level else None
+        verdicts.append(v)
+        loads = [machine_load(best.run), machine_load(c.run)]
+        unlike = None not in loads and _conditions_differ(loads)  # type: ignore[arg-type]
+        if v is None or not v.measurable or unlike:  # a lead under other conditions is not called one
+            tied.append(c)
+    return tied, verdicts
+
+
+def _order(tied: list[Candidate]) -> tuple[list[Candidate], str]:
+    """Tied candidates in the order quality, memory, drift, throughput decide; and what decided."""
+    within = [c for c in tied if c.drift is None or c.drift[0] <= DRIFT_LIMIT]
+    pool = within if within else tied
+    dropped = [c for c in tied if c not in pool]
+
+    def key(c: Candidate) -> tuple:
+        return (c.bytes_per_token if c.bytes_per_token is not None else float("inf"),
+                c.drift[0] if c.drift else float("inf"), -(D.num(c.level or {}, "throughput_tok_s") or 0.0))
+
+    pool = sorted(pool, key=key)
+    if len(pool) > 1 and pool[0].bytes_per_token is not None and pool[1].bytes_per_token != pool[0].bytes_per_token:
+        how = "memory"
+    elif len(pool) > 1 and pool[0].drift and pool[1].drift and pool[0].drift[0] < pool[1].drift[0]:
+        how = "drift"
+    else:
+        how = "quality" if dropped else "none"
+    return pool + dropped, how
+
+
+def _fmt_fig(c: Candidate, slo: Optional[dict]) -> str:
+    if slo is not None:
+        kind = recommend.capacity(c.run, slo)["kind"]
+        return f"{c.figure:g} {'concurrent requests' if kind == 'concurrency' else 'requests/s'}"
+    return f"{c.figure:,.1f} tok/s"
+
+
+def _where(c: Candidate) -> str:
+    x = level_x(c.level or {})
+    return f" at {D.x_words(x[0])} {x[1]:g}" if x else ""
+
+
+def _memory_words(first: Candidate, others: list[Candidate]) -> str:
+    worst = max((c for c in others if c.bytes_per_token), key=lambda c: c.bytes_per_token or 0, default=None)
+    if first.bytes_per_token is None or worst is None or worst.bytes_per_token == first.bytes_per_token:
+        return ""
+    ratio = worst.bytes_per_token / first.bytes_per_token  # type: ignore[operator]
+    return (f"its KV cache takes {first.bytes_per_token:,.0f} bytes per token against {worst.bytes_per_token:,.0f} "
+            f"for {worst.name}, {ratio:.2f}x the tokens in the same memory")
+
+
+def _drift_words(c: Candidate) -> str:
+    return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}" if c.drift else ""
+
+
+def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str]) -> str:
+    parts = []
+    repeated = all(len(noise.repeat_values(r, lv, "throughput_tok_s")) >= 2
+                   for r in runs for lv in D.sorted_levels(r)[:1])
+    thresholds = [v.threshold_pct for v in verdicts if v is not None and v.threshold_pct is not None]
+    if not repeated:
+        noise_part = (f"differences under {max(thresholds):.0f} % are noise here" if thresholds
+                      else "no difference can be told from noise")
+        parts.append(f"one run each: {noise_part}; repeat with scenario.repeats=3")
+    weights = sorted({D.weights_display(r) for r in runs} - {"—"})
+    models = sorted({str(r.get("model")).rsplit("/", 1)[-1] for r in runs})
+    if len(weights) > 1:
+        parts.append("the configurations ran different weights (" + " vs ".join(weights) + ")")
+    elif len(models) > 1:
+        parts.append("the configurations served different model files (" + ", ".join(models) + ")")
+    builds = sorted({f"{D.backend_name(r.get('backend'))} {r.get('backend_version')}" for r in runs
+                     if r.get("backend_version")})
+    if len({str(r.get("backend")) for r in runs}) > 1 and builds:
+        parts.append("engine builds " + ", ".join(builds))
+    unconfirmed = [names.get(str(r.get("label")), str(r.get("label"))) for r in runs
+                   if r.get("kv_requested") and not (r.get("kv_cache") or {}).get("dtype") and not r.get("tool")]
+    if unconfirmed:
+        parts.append("the server did not confirm the KV dtype of " + ", ".join(unconfirmed)
+                     + " (what was asked, not what ran)")
+    loads = {names.get(str(r.get("label")), str(r.get("label"))): machine_load(r) for r in runs}
+    known = {k: v for k, v in loads.items() if v is not None}
+    if len(known) > 1 and _conditions_differ(list(known.values())):
+        parts.append("the machine's load differed between runs (" + "; ".join(
+            f"{k}: {_load_words(v)}" for k, v in known.items()) + "), so a lead may be the machine's")
+    return ("Caveat: " + "; ".join(parts) + ".") if parts else ""
+
+
+# Two runs' machine conditions differ when their CPU steal differs by more than this share of CPU time,
+# or their load average per core by more than LOAD_PER_CORE_DIFF.
+STEAL_DIFF = 0.05
+LOAD_PER_CORE_DIFF = 0.5
+
+
+def machine_load(run: dict) -> Optional[tuple[float, float, int]]:
+    """(mean 1-minute load average, highest CPU steal share, cores) over a run's levels; None: not recorded."""
+    ms = [lv["machine"] for lv in run.get("levels") or [] if isinstance(lv.get("machine"), dict)]
+    loads = [m["load_avg_1m"] for m in ms if is_num(m.get("load_avg_1m"))]
+    steals = [m["steal_share"] for m in ms if is_num(m.get("steal_share"))]
+    cores = next((int(m["cores"]) for m in ms if is_num(m.get("cores")) and m["cores"] > 0), None)
+    if not loads or cores is None:
+        return None
+    return sum(loads) / len(loads), max(steals, default=0.0), cores
+
+
+def _conditions_differ(loads: list[tuple[float, float, int]]) -> bool:
+    per_core = [load / cores for load, _, cores in loads]
+    steal = [st for _, st, _ in loads]
+    return max(steal) - min(steal) > STEAL_DIFF or max(per_core) - min(per_core) > LOAD_PER_CORE_DIFF
+
+
+def _load_words(v: tuple[float, float, int]) -> str:
+    load, steal, cores = v
+    return f"load {load:.1f} on {cores} cores" + (f", CPU steal {steal * 100:.0f} %" if steal else "")
+
+
+def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: dict, mem: dict,
+                   kld: dict) -> Optional[Verdict]:
+    cands = [c for c in _candidates(runs, slo, names, mem, kld) if c.figure is not None]
+    if not cands:
+        return None
+    best = max(cands, key=lambda c: (c.figure, D.num(c.level or {}, "throughput_tok_s") or 0.0))
+    tied, verdicts = _ties(best, cands, slo)
+    ordered, how = _order(tied)
+    first = ordered[0]
+    basis = f"within {recommend.slo_text(slo)}" if slo else "peak throughput (no latency objective set)"
+    if len(cands) == 1:
+        why = f"{scenario}: {first.name} is the only configuration measured: {_fmt_fig(first, slo)}{_where(first)}."
+        return Verdict(scenario, (first.name,), why, "Caveat: nothing to compare it with; sweep KV dtypes or "
+                                                     "backends (-m kv=fp16,q8_0) for a choice.")
+    if len(tied) == 1:
+        runner = max((c for c in cands if c is not first), key=lambda c: c.figure)  # type: ignore[arg-type]
+        why = (f"{scenario}: run {first.name}{_where(first)}. By {basis} it leads, {_fmt_fig(first, slo)} against "
+               f"{_fmt_fig(runner, slo)} for {runner.name}, a measurable difference.")
+        extra = [w for w in (_memory_words(first, [runner]), _drift_words(first) and f"its KV drift is "
+                             f"{_drift_words(first)}") if w]
+        if extra:
+            text = "; ".join(extra)
+            why += f" {text[0].upper()}{text[1:]}."
+        return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names))
+    figures = ", ".join(f"{c.name} {_fmt_fig(c, slo)}" for c in ordered)
+    tie = f"{scenario}: by {basis}, {len(tied)} configurations tie ({figures}: no measurable difference)"
+    if how == "memory":
+        why = f"{tie}, so KV memory decides: run {first.name}{_where(first)}; {_memory_words(first, ordered[1:])}"
+        if first.drift:
+            why += f", with {_drift_words(first)}"
+        why += "."
+        choice: tuple[str, ...] = (first.name,)
+    elif how == "drift":
+        why = (f"{tie}, so quality decides: run {first.name}{_where(first)}, {_drift_words(first)} against "
+               f"{_drift_words(ordered[1])} for {ordered[1].name}.")
+        choice = (first.name,)
+    elif how == "quality":
+        dropped = [c for c in ordered if c.drift and c.drift[0] > DRIFT_LIMIT]
+        why = (f"{tie}; {', '.join(c.name for c in dropped)} drift beyond a mean KLD of {DRIFT_LIMIT:g}, "
+               f"so run {first.name}{_where(first)}.")
+        choice = (first.name,)
+    else:
+        why = f"{tie}, and nothing measured tells them apart: either will do."
+        choice = tuple(c.name for c in ordered)
+    return Verdict(scenario, choice, why, _caveat(runs, verdicts, names))
+
+
+def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) -> Optional[Verdict]:
+    """A scenario with quality blocks and no speed levels: the smallest KV within DRIFT_LIMIT."""
+    cands = [Candidate(r, names[str(r.get("label"))], None, None, mem.get(_key(r)), drift(r)) for r in runs]
+    cands = [c for c in cands if c.drift is not None]
+    if not cands:
+        return None
+    ordered, _ = _order(cands)
+    first = ordered[0]
+    parts = [f"{c.name}: {_drift_words(c)}" + (f", {c.bytes_per_token:,.0f} bytes per token"
+                                                if c.bytes_per_token else "") for c in ordered]
+    if first.drift[0] > DRIFT_LIMIT:  # type: ignore[index]
+        why = (f"{scenario}: every KV dtype measured drifts beyond a mean KLD of {DRIFT_LIMIT:g} "
+               f"({'; '.join(parts)}); keep the 16-bit cache.")
+        return Verdict(scenario, (), why, "")
+    why = (f"{scenario}: run {first.name}: the least KV memory per token among the dtypes whose drift stays within "
+           f"a mean KLD of {DRIFT_LIMIT:g} ({'; '.join(parts)}).")
+    return Verdict(scenario, (first.name,), why, "")
+
+
+def verdicts(aggregate: dict) -> list[Verdict]:
+    """One verdict per scenario (and per latency objective where a scenario's runs set different ones)."""
+    mem, kld = _lookups(aggregate)
+    out: list[Verdict] = []
+    for scen, runs in D.scenarios(aggregate):
+        usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]
+        if not usable:
+            continue
+        names = short_names(usable)
+        groups: dict[Any, list[dict]] = {}
+        for r in usable:
+            slo = recommend.slo_of(r)
+            groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
+        for key, rs in groups.items():
+            v = _speed_verdict(scen, rs, None if key is None else dict(key), names, mem, kld)
+            if v is None:
+                v = _quality_verdict(scen, rs, names, mem)
+            if v is not None:
+                out.append(v)
+    return out

@@ -1,0 +1,211 @@
+"""Composing a command line's jobs: Hydra's compose API over conf/, comma lists expanded into one job
+each, Hydra's and OmegaConf's errors as one line, the unsupported-pair rule (check) and the keys that
+only some backends of a sweep declare."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from omegaconf import OmegaConf
+
+from kvexp.app.checks import check_config, register_configs
+from kvexp.app.helptext import defaults
+from kvexp.backends import REGISTRY
+from kvexp.core import config as schemas
+from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, skips_unsupported
+from kvexp.core.paths import data_dir
+
+GROUPS = ("backend", "model", "kv", "scenario", "gpu")
+
+
+def safe_name(text: str) -> str:
+    """A label made safe for a file name."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
+
+
+def setup_hydra() -> None:
+    """Register kvexp's schemas and the `safe` resolver with Hydra/OmegaConf (idempotent; called before
+    anything composes a config, never at import)."""
+    if not OmegaConf.has_resolver("safe"):
+        OmegaConf.register_new_resolver("safe", safe_name)
+    register_configs()
+
+
+# ---------------------------------------------------------------- composing and checking configs
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (data_dir("conf") / group).glob("*.yaml"))
+
+
+def kv_choices() -> dict[str, KVConfig]:
+    out = {}
+    for name in _options("kv"):
+        node = OmegaConf.merge(OmegaConf.structured(KVConfig),
+                               {k: v for k, v in OmegaConf.load(data_dir("conf") / "kv" / f"{name}.yaml").items()
+                                if k != "defaults"})
+        out[name] = OmegaConf.to_object(node)
+    return out
+
+
+def one_line_error(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
+    cause = e.__cause__ or e
+    m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
+    if m and m.group(1) in GROUPS:
+        return f"{m.group(1)}={m.group(2)}: no such option; allowed values are {', '.join(_options(m.group(1)))}"
+    text = str(cause).strip()
+    first = text.splitlines()[0] if text else type(cause).__name__
+    full = getattr(cause, "full_key", None)
+    m = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", first)
+    if m and full:  # an enum field (config.py): the same shape as every other refused value
+        return f"{full}={m.group(1)!r}: allowed values are {m.group(2)}"
+    m = re.match(r"Key '([^']+)' not in '(\w+)'", first)
+    if m:
+        classes = {a.config_class.__name__: a.config_class for a in REGISTRY.values()}
+        schema = getattr(schemas, m.group(2), None) or classes.get(m.group(2))
+        keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
+        return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
+    return f"{full}: {first}" if full else first
+
+
+def sweep_overrides(overrides: list[str]) -> list[list[str]]:
+    """Expand comma lists (multirun sweeps) into one override list per job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def compose(overrides: list[str]) -> ExperimentConfig:
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    setup_hydra()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides)
+    return to_experiment(node)
+
+
+def default_folder(overrides: list[str], multirun: bool) -> Path:
+    """The folder Hydra would write a run (or sweep) into, resolved now (its name holds the time)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(data_dir("conf")), version_base="1.3"):
+        node = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        return Path(str(OmegaConf.select(node, "hydra.sweep.dir" if multirun else "hydra.run.dir")))
+
+
+def to_experiment(node: Any) -> ExperimentConfig:
+    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
+    return OmegaConf.to_object(node)
+
+
+def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
+    """Every job of a sweep, composed (a backend-only key set for the jobs whose backend declares it,
+    see backend_only_keys); raises ConfigError with one line."""
+    overrides, partial = backend_only_keys(overrides)
+    try:
+        combos = sweep_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(one_line_error(e)) from None
+    out = []
+    for combo in combos:
+        try:
+            cfg = compose(combo)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(one_line_error(e)) from None
+        out.append((combo, drop_backend_only(cfg, partial)))
+    return out
+
+
+def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False) -> Optional[str]:
+    """None when the job can run; the reason when it is an unsupported backend/kv pair to skip (in a
+    sweep by default, anywhere with unsupported=skip). Raises ConfigError for anything else."""
+    try:
+        check_config(cfg, kvs)
+    except ConfigError as e:
+        if skips_unsupported(cfg.unsupported, multirun) and str(e).startswith("kv="):
+            return str(e)
+        raise
+    return None
+
+
+# ---------------------------------------------------------------- keys only some backends declare
+def _field(override: str) -> Optional[str]:
+    """The backend field an override sets (`backend.python=...`, `+backend.env.X=...` -> python, env)."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    head, dot, rest = key.partition(".")
+    return rest.split(".", 1)[0] if head == "backend" and dot and rest else None
+
+
+def _declared(backend: str) -> Optional[set[str]]:
+    adapter = REGISTRY.get(backend)
+    return {f.name for f in dataclasses.fields(adapter.config_class)} if adapter else None
+
+
+def sweep_backends(combos: list[list[str]]) -> list[str]:
+    """The backends a sweep's jobs run, in order (conf/config.yaml's default where a job names none)."""
+    default = defaults().get("backend", "")
+    out: list[str] = []
+    for combo in combos:
+        named = [o.split("=", 1)[1] for o in combo if "=" in o and o.split("=", 1)[0].lstrip("+") == "backend"]
+        name = named[-1] if named else default
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def backend_only_keys(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """A sweep over several backends may set a `backend.KEY` that only some of them declare (e.g.
+    backend.python, vLLM's): such an override becomes `++backend.KEY=...`, which Hydra adds to the other
+    backends' configs too, and drop_backend_only removes it there. Returns the overrides to compose and
+    run, and {KEY: the backends that declare it} for each such key. A key no backend of the sweep
+    declares is left as it is, and composing refuses it with one line."""
+    try:
+        backends = sweep_backends(sweep_overrides(overrides))
+    except Exception:  # noqa: BLE001 (a malformed override: composing reports it with one line)
+        return list(overrides), {}
+    found = {b: _declared(b) for b in backends}
+    declared = {b: keys for b, keys in found.items() if keys is not None}
+    if len(backends) < 2 or len(declared) < len(backends):  # one backend, or an unknown one: compose says
+        return list(overrides), {}
+    partial: dict[str, list[str]] = {}
+    out = []
+    for o in overrides:
+        name = _field(o) if "=" in o and not o.startswith("~") else None
+        owners = [b for b in backends if name in declared[b]] if name else []
+        if name and owners and len(owners) < len(backends):
+            partial[name] = owners
+            o = "++" + o.lstrip("+")
+        out.append(o)
+    return out, partial
+
+
+def drop_backend_only(cfg: ExperimentConfig, keys: Iterable[str]) -> ExperimentConfig:
+    """Remove from cfg.backend the keys of `keys` its own schema does not declare (set by a
+    `++backend.KEY` that backend_only_keys made for the other backends of the sweep)."""
+    declared = {f.name for f in dataclasses.fields(cfg.backend)}
+    for key in keys:
+        if key not in declared and key in vars(cfg.backend):
+            delattr(cfg.backend, key)
+    return cfg
+
+
+def ignored_keys_note(partial: dict[str, list[str]], backends: list[str]) -> list[str]:
+    """One line per backend-only key of a sweep: which backends it is ignored for."""
+    return [f"backend.{key} is a key of backend={', '.join(owners)} only: ignored for the "
+            f"{', '.join(b for b in backends if b not in owners)} jobs" for key, owners in sorted(partial.items())]

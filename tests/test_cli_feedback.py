@@ -1,0 +1,260 @@
+"""What the command line tells a reviewer: a sweep runs what it can and says at its start which pairs it
+skips and why; keys only some backends of a sweep declare are set where declared and ignored, once
+said, elsewhere; resume of a finished folder has nothing to do; validate takes folders; --help lists
+every command; results prints an aligned table (CSV on request); the client-workers advice names the
+likely cause. Jobs run on the fake llama-server (tests/fake_openai.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SUBCOMMANDS, TINY, kvexp_main as kvexp, snapshot, with_tiny
+
+from kvexp.app.cli import SUBCOMMANDS as COMMANDS, main
+
+from kvexp.app.compose import check, compose, compose_all, kv_choices
+from kvexp.core.config import ConfigError
+from kvexp.metrics.levels import Level, figure_warnings
+from kvexp.results.store import load_document
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fake_openai  # noqa: E402
+
+HEADLINE = ["backend=vllm,llamacpp", "kv=fp16,fp8"]
+FOREIGN = Path(__file__).parent / "fixtures" / "foreign"
+FAST = ["scenario.requests=2", "scenario.concurrency=[1]"]
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory) -> Path:
+    return fake_openai.wrapper(tmp_path_factory.mktemp("fake"))
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "calibration.json"))
+
+
+# ---------------------------------------------------------------- 1. a sweep skips what cannot run
+def test_the_headline_sweep_skips_only_llamacpp_fp8_by_default():
+    kvs = kv_choices()
+    jobs = compose_all([*TINY, *HEADLINE])
+    reasons = {(c.backend.name, c.kv.name): check(c, kvs, multirun=True) for _, c in jobs}
+    assert {k for k, r in reasons.items() if r is None} == {("vllm", "fp16"), ("vllm", "fp8"), ("llamacpp", "fp16")}
+    assert reasons[("llamacpp", "fp8")].startswith("kv=fp8 is not available on backend=llamacpp")
+    assert all(c.unsupported == "auto" for _, c in jobs)
+
+
+def test_a_single_impossible_run_and_unsupported_error_still_refuse():
+    kvs = kv_choices()
+    with pytest.raises(ConfigError, match=r"^kv=fp8 is not available on backend=llamacpp"):
+        check(compose([*TINY, "kv=fp8"]), kvs)  # no -m: one job, refused
+    with pytest.raises(ConfigError, match=r"^kv=fp8 is not available"):
+        check(compose([*TINY, "kv=fp8", "unsupported=error"]), kvs, multirun=True)
+    assert check(compose([*TINY, "kv=fp8", "unsupported=skip"]), kvs) is not None
+
+
+def test_a_sweep_says_what_it_skips_before_the_first_job(fake, tmp_path):
+    folder = tmp_path / "s"
+    p = subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(["-m", f"backend.binary={fake}", "kv=fp16,fp8", *FAST,
+                                                                   f"hydra.sweep.dir={folder}"])],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:]
+    lines = p.stdout.splitlines()  # as a terminal shows them: standard output and error in their order
+    assert lines[0] == ("kvexp: 1 of 2 jobs cannot run and are recorded as skipped (unsupported=error refuses them "
+                        "instead):")
+    assert lines[1] == ("kvexp:   skipped llamacpp-tiny-fp8-smoke: kv=fp8 is not available on backend=llamacpp "
+                        "(allowed for llamacpp: bf16, fp16, q4_0, q8_0)")
+    assert any("llamacpp-tiny-fp16-smoke: starting" in line for line in lines[2:])
+    docs = [load_document(p)[1] for p in sorted(folder.glob("*/result.json"))]
+    assert [(d["label"], d["status"]) for d in docs] == [("llamacpp-tiny-fp16-smoke", "complete"),
+                                                         ("llamacpp-tiny-fp8-smoke", "skipped")]
+
+
+@pytest.mark.parametrize("args", [["kv=fp8"], ["-m", "kv=fp16,fp8", "unsupported=error"]], ids=["single", "error"])
+def test_refused_with_one_line_and_nothing_written(fake, tmp_path, capsys, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    assert kvexp(*args, f"backend.binary={fake}") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvexp: kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, q4_0, q8_0)"]
+    assert not (tmp_path / "outputs").exists()
+
+
+# ---------------------------------------------------------------- 1b. keys of some backends only
+def test_a_key_of_one_backend_applies_to_its_jobs_only():
+    jobs = compose_all([*TINY, *HEADLINE, "backend.python=/opt/vllm/bin/python"])
+    for _, cfg in jobs:
+        if cfg.backend.name == "vllm":
+            assert cfg.backend.python == "/opt/vllm/bin/python"
+        else:
+            assert "python" not in vars(cfg.backend)
+    kvs = kv_choices()
+    llama16 = next(c for _, c in jobs if (c.backend.name, c.kv.name) == ("llamacpp", "fp16"))
+    assert check(llama16, kvs, multirun=True) is None  # no unknown-key refusal
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([*HEADLINE, "backend.pyhton=/x"], "backend.pyhton: unknown key; allowed keys are"),
+    (["backend=llamacpp", "backend.python=/x"], "backend.python: unknown key; allowed keys are"),
+    (["backend=vllm,ollama", "backend.threads=2"], "backend.threads: unknown key; allowed keys are"),
+])
+def test_a_key_no_backend_of_the_sweep_declares_is_refused(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        for _, cfg in compose_all([*TINY, *overrides]):
+            check(cfg, kv_choices(), multirun=True)
+    assert "\n" not in str(e.value) and str(e.value).startswith(expected), str(e.value)
+
+
+def test_a_mixed_sweep_runs_with_backend_only_keys(fake, tmp_path, capsys):
+    """vLLM with q8_0 is skipped (no vLLM needed); the llama.cpp job gets backend.binary and ignores
+    backend.python, and the terminal says both once, before the first job."""
+    folder = tmp_path / "s"
+    assert kvexp("-m", "backend=vllm,llamacpp", "kv=q8_0", f"backend.binary={fake}", "backend.python=/nowhere/python",
+                 *FAST, f"hydra.sweep.dir={folder}") == 0
+    err = capsys.readouterr().err
+    assert err.count("kvexp: backend.python is a key of backend=vllm only: ignored for the llamacpp jobs") == 1
+    assert err.count("kvexp: backend.binary is a key of backend=llamacpp only: ignored for the vllm jobs") == 1
+    docs = [load_document(p)[1] for p in sorted(folder.glob("*/result.json"))]
+    assert [(d["label"], d["status"]) for d in docs] == [("vllm-tiny-q8_0-smoke", "skipped"),
+                                                         ("llamacpp-tiny-q8_0-smoke", "complete")]
+    assert "python" not in docs[1]["config"]["backend"] and docs[1]["config"]["backend"]["binary"] == str(fake)
+
+    # 2. resume of the finished sweep: nothing to do, one line, nothing touched
+    before = snapshot(folder)
+    assert kvexp("resume", str(folder)) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"kvexp: nothing to resume in {folder}: its 2 jobs are finished "
+                                        "(1 complete, 1 skipped)"]
+    assert "starting" not in out + err and snapshot(folder) == before
+
+
+# ---------------------------------------------------------------- 2. resume
+def test_resume_measures_what_is_missing_and_then_has_nothing_to_do(fake, tmp_path, capsys):
+    folder = tmp_path / "s"
+    assert kvexp("-m", f"backend.binary={fake}", "kv=fp16,q8_0", *FAST, f"hydra.sweep.dir={folder}") == 0
+    done = next(folder.glob("1_*"))
+    shutil.rmtree(done)
+    capsys.readouterr()
+    assert kvexp("resume", str(folder)) == 0
+    assert "kvexp: resuming: " in capsys.readouterr().err
+    assert (done / "result.json").is_file()
+    assert kvexp("resume", str(folder)) == 0
+    assert capsys.readouterr().err.startswith(f"kvexp: nothing to resume in {folder}: its 2 jobs are finished")
+
+
+def test_resume_of_a_finished_single_run(fake, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert kvexp(f"backend.binary={fake}", *FAST, f"hydra.run.dir={run}") == 0
+    capsys.readouterr()
+    before = snapshot(run)
+    assert kvexp("resume", str(run)) == 0
+    assert capsys.readouterr().err.strip() == f"kvexp: nothing to resume in {run}: its job is finished (1 complete)"
+    assert snapshot(run) == before
+
+
+# ---------------------------------------------------------------- 3. validate takes folders
+def test_validate_a_folder_checks_every_result_under_it(fake, tmp_path, capsys):
+    folder = tmp_path / "s"
+    assert kvexp("-m", f"backend.binary={fake}", "kv=fp16,fp8", *FAST, f"hydra.sweep.dir={folder}") == 0
+    capsys.readouterr()
+    assert main(["validate", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    results = sorted(folder.glob("*/result.json"))
+    assert out == [f"{p}: valid" for p in results]
+
+    bad = json.loads(results[0].read_text())
+    del bad["label"]
+    bad["status"] = "done"
+    results[0].write_text(json.dumps(bad))
+    assert main(["validate", str(folder)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith(f"{results[0]}: ") and "(and 1 more: kvexp validate" in out[0]
+    assert out[1] == f"{results[1]}: valid"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["validate", str(empty)]) == 1
+    assert capsys.readouterr().out.strip() == f"{empty}: no result.json found in this folder"
+
+
+# ---------------------------------------------------------------- 4. --help lists every command
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for cmd in COMMANDS:
+        assert f"\n  {cmd} " in out or f"\n  {cmd}\n" in out, cmd
+    assert set(COMMANDS) <= set(SUBCOMMANDS)
+    assert "unsupported=auto|error|skip" in out
+
+
+# ---------------------------------------------------------------- 5. results: a table, CSV on request
+def test_results_prints_an_aligned_table(fake, tmp_path, capsys):
+    folder = tmp_path / "s"
+    assert kvexp("-m", f"backend.binary={fake}", "kv=fp16,fp8", "scenario.requests=2",
+                 "scenario.concurrency=[1,2]", f"hydra.sweep.dir={folder}") == 0
+    capsys.readouterr()
+    assert main(["results", str(folder)]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    head, rule, *rows, foot = lines
+    for word in ("job", "backend", "kv", "Concurrency", "tok/s", "TTFT p50", "TPOT p50", "Peak KV"):
+        assert word in head
+    assert set(rule.replace(" ", "")) == {"-"}
+    assert len(rows) == 3 and foot.startswith("3 row(s) from 2 run(s)")
+    text = "\n".join(rows)
+    assert "None" not in text and "nan" not in text.lower()
+    skipped = next(r for r in rows if "fp8" in r)
+    assert "skipped" in skipped and "—" in skipped
+    starts = [rule.index("-", i) for i in range(len(rule)) if rule[i] == "-" and (i == 0 or rule[i - 1] == " ")]
+    for row in rows:  # every column starts where its rule starts: text left, numbers right-aligned
+        assert len(row) <= len(rule)
+        for s in starts[1:]:
+            assert row[s - 1] == " " or row[s - 2:s] == "  ", (row, s)
+
+    assert main(["results", str(folder), "--csv"]) == 0
+    assert capsys.readouterr().out.startswith("label,backend,model,scenario,kv_dtype,")
+    out = tmp_path / "levels.csv"
+    assert main(["results", str(folder), "--csv", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"csv: {out}"
+    assert out.read_text().startswith("label,backend,")
+
+
+def test_results_of_other_tools_files_never_print_none_or_nan(capsys):
+    assert main(["results", str(FOREIGN)]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "nan" not in out.lower() and "—" in out
+
+
+def test_results_frame_missing_values_are_nan():
+    pd = pytest.importorskip("pandas")
+    import kvexp
+
+    df = kvexp.results_frame([FOREIGN])
+    assert not any(v is None for v in df.to_numpy().ravel())
+    itl = df[df["tool"] == "GuideLLM 0.8.1"]["itl_p50_ms"]
+    assert itl.isna().all() and all(isinstance(v, float) and math.isnan(v) for v in itl)
+    assert pd.api.types.is_float_dtype(df["ttft_p50_ms"])
+
+
+# ---------------------------------------------------------------- 6. the client-workers advice
+def _limited(cpu):
+    level = Level.from_json({"requests": 64, "errors": 0, "loop_lag_p99_ms": 40.0, "client_cpu_util": cpu,
+                             "client_limited": True})
+    [w] = [w for w in figure_warnings(level, ["client event loop lagged 40 ms (p99, limit 5 ms)"])
+           if w.code == "client_limited"]
+    return w.text
+
+
+def test_client_advice_names_the_likely_cause():
+    busy = _limited(0.95)
+    assert "set client.workers" in busy
+    loaded = _limited(0.08)
+    assert "set client.workers" not in loaded and "client.workers" not in loaded
+    assert "8 %" in loaded and "machine was loaded" in loaded and "server shares the cores" in loaded
+    assert "client.workers" in _limited(None)  # not recorded: both causes named
