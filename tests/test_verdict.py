@@ -172,3 +172,15 @@ def test_a_clear_lead_also_names_its_memory_per_token_as_written():
     (v,) = verdicts(agg)
     assert v.choice == ("llama.cpp q8_0",)
     assert "Its KV cache takes 272 bytes per token against 512 for llama.cpp fp16, 1.88x the tokens" in v.why
+
+
+@pytest.mark.skipif(shutil.which("pdftotext") is None, reason="pdftotext (poppler-utils) is not installed")
+def test_other_tools_runs_get_a_verdict_that_claims_only_what_they_hold(tmp_path):
+    """vLLM's, GuideLLM's and AIPerf's files hold no KV memory: the verdict may not let memory decide."""
+    from kvexp.app.cli import main
+
+    assert main(["report", str(FIXTURES / "foreign"), "--out", str(tmp_path)]) == 0
+    check_readable(tmp_path)
+    verdict = (tmp_path / "report.md").read_text().split("## Verdict", 1)[1].split("##", 1)[0]
+    assert "KV memory decides" not in verdict and "; ." not in verdict
+    assert "guidellm: tiny" in verdict

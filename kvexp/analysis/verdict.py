@@ -68,6 +68,9 @@ def short_names(runs: list[dict]) -> dict[str, str]:
     varies = any(len(m) > 1 for m in models.values())
     names = {}
     for r in runs:
+        if r.get("tool"):  # another benchmark tool's run: its label says which tool and run
+            names[str(r.get("label"))] = str(r.get("label"))
+            continue
         kv = D.kv_name(r).name or "default KV"
         name = f"{D.backend_name(r.get('backend'))} {kv}"
         if varies:
@@ -160,7 +163,8 @@ def _order(tied: list[Candidate]) -> tuple[list[Candidate], str]:
                 c.drift[0] if c.drift else float("inf"), -(D.num(c.level or {}, "throughput_tok_s") or 0.0))
 
     pool = sorted(pool, key=key)
-    if len(pool) > 1 and pool[0].bytes_per_token is not None and pool[1].bytes_per_token != pool[0].bytes_per_token:
+    if len(pool) > 1 and None not in (pool[0].bytes_per_token, pool[1].bytes_per_token) \
+            and pool[1].bytes_per_token != pool[0].bytes_per_token:
         how = "memory"
     elif len(pool) > 1 and pool[0].drift and pool[1].drift and pool[0].drift[0] < pool[1].drift[0]:
         how = "drift"
