@@ -184,3 +184,27 @@ def test_other_tools_runs_get_a_verdict_that_claims_only_what_they_hold(tmp_path
     verdict = (tmp_path / "report.md").read_text().split("## Verdict", 1)[1].split("##", 1)[0]
     assert "KV memory decides" not in verdict and "; ." not in verdict
     assert "guidellm: tiny" in verdict
+
+
+def test_the_machines_cpu_shares_agree_with_psutils_over_the_same_interval():
+    """level.machine's busy and steal shares, read from /proc/stat by kvexp, against psutil's own reading
+    of the kernel's CPU times over the same interval (a truth kvexp did not compute)."""
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    from kvexp.core import machine
+
+    if machine.cpu_times() is None:
+        pytest.skip("no /proc/stat here")
+    p0, m0 = psutil.cpu_times(), machine.cpu_times()
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:  # keep one core busy so that the busy share is not zero
+        pass
+    p1, m1 = psutil.cpu_times(), machine.cpu_times()
+    view = machine.load_view(m0, m1)
+    total = sum(p1) - sum(p0) - ((p1.guest + p1.guest_nice) - (p0.guest + p0.guest_nice))
+    idle = (p1.idle + p1.iowait) - (p0.idle + p0.iowait)
+    assert view is not None and view["cores"] >= 1
+    assert abs(view["busy_share"] - (1 - idle / total)) < 0.05
+    assert abs(view["steal_share"] - (p1.steal - p0.steal) / total) < 0.05
+    assert view["busy_share"] > 0

@@ -43,7 +43,7 @@ def _kv(run: dict) -> str:
     return str((q or {}).get("kv") or run.get("kv_requested") or "")
 
 
-def _ok_depths(q: dict) -> list[dict]:
+def ok_depths(q: dict) -> list[dict]:
     return [d for d in (q.get("teacher_forced") or {}).get("depths") or []
             if d.get("status") == "ok" and is_num(d.get("kld_mean"))]
 
@@ -97,7 +97,7 @@ def _speed_words(runs: list[dict], kv: str, base: str) -> Optional[str]:
 
 
 def _drift_words(q: dict) -> Optional[str]:
-    depths = _ok_depths(q)
+    depths = ok_depths(q)
     if not depths:
         return None
     first, rest = depths[0], depths[1:]
@@ -153,6 +153,6 @@ def quality_findings(aggregate: dict) -> list[Finding]:
                 "quality_trade",
                 f"{backend_name(backend)} {_kv(r)} KV vs {base}: " + ", ".join(parts) + f" ({r.get('label')}).",
                 str(r.get("scenario")), (str(r.get("label")),),
-                {"kv": _kv(r), "baseline_kv": base, "depths": _ok_depths(q),
+                {"kv": _kv(r), "baseline_kv": base, "depths": ok_depths(q),
                  "continuation": q.get("continuation")}))
     return out

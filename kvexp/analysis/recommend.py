@@ -109,7 +109,8 @@ def _entry(run: dict, cap: dict[str, Any]) -> dict[str, Any]:
             "quality": quality_summary(run)}
 
 
-def _peak(run: dict) -> Optional[dict]:
+def peak_level(run: dict) -> Optional[dict]:
+    """The run's usable level of highest throughput (None: no level has one)."""
     best = None
     for lv in D.sorted_levels(run):
         v = D.num(lv, "throughput_tok_s")
@@ -184,7 +185,7 @@ def _with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str,
 
 
 def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
-    peaks = [(r, lv) for r in runs for lv in [_peak(r)] if lv is not None]
+    peaks = [(r, lv) for r in runs for lv in [peak_level(r)] if lv is not None]
     if not peaks:
         return None
     peaks.sort(key=lambda rl: D.num(rl[1], "throughput_tok_s") or 0, reverse=True)

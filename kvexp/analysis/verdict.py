@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D, noise, recommend
-from kvexp.analysis.qualityfindings import fmt_kld
+from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
 
@@ -90,36 +90,29 @@ def bytes_per_token(run: dict) -> Optional[float]:
 
 def drift(run: dict) -> Optional[tuple[float, int]]:
     """(mean KLD, depth) at the deepest depth the run's quality block measured."""
-    q = run.get("quality") if isinstance(run.get("quality"), dict) else {}
-    depths = [d for d in ((q.get("teacher_forced") or {}).get("depths") or [])
-              if d.get("status") == "ok" and is_num(d.get("kld_mean")) and is_num(d.get("context"))]
+    q = run.get("quality")
+    depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
     if not depths:
         return None
     d = max(depths, key=lambda d: d["context"])
     return float(d["kld_mean"]), int(d["context"])
 
 
-def _key(run: dict) -> tuple[str, str, Optional[str]]:
+def kv_key(run: dict) -> tuple[str, str, Optional[str]]:
     return str(run.get("backend")), str(run.get("model")), D.kv_name(run).name
 
 
-def _lookups(aggregate: dict) -> tuple[dict, dict]:
+def kv_lookups(aggregate: dict) -> tuple[dict, dict]:
     """KV bytes per token and drift per (backend, model, KV dtype), from any run that measured them."""
     mem: dict[tuple, float] = {}
     kld: dict[tuple, tuple[float, int]] = {}
     for r in aggregate.get("runs") or []:
         b, q = bytes_per_token(r), drift(r)
         if b is not None:
-            mem.setdefault(_key(r), b)
+            mem.setdefault(kv_key(r), b)
         if q is not None:
-            kld.setdefault(_key(r), q)
+            kld.setdefault(kv_key(r), q)
     return mem, kld
-
-
-def _peak(run: dict) -> Optional[dict]:
-    levels = [lv for lv in D.sorted_levels(run) if D.usable(run, lv) and level_x(lv)
-              and D.num(lv, "throughput_tok_s") is not None]
-    return max(levels, key=lambda lv: D.num(lv, "throughput_tok_s") or 0.0, default=None)
 
 
 def _candidates(runs: list[dict], slo: Optional[dict], names: dict, mem: dict, kld: dict) -> list[Candidate]:
@@ -129,9 +122,9 @@ def _candidates(runs: list[dict], slo: Optional[dict], names: dict, mem: dict, k
             cap = recommend.capacity(r, slo)
             fig, lv = cap["capacity"], cap["level"]
         else:
-            lv = _peak(r)
+            lv = recommend.peak_level(r)
             fig = D.num(lv, "throughput_tok_s") if lv else None
-        out.append(Candidate(r, names[str(r.get("label"))], fig, lv, mem.get(_key(r)), kld.get(_key(r))))
+        out.append(Candidate(r, names[str(r.get("label"))], fig, lv, mem.get(kv_key(r)), kld.get(kv_key(r))))
     return out
 
 
@@ -307,7 +300,7 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
 
 def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) -> Optional[Verdict]:
     """A scenario with quality blocks and no speed levels: the smallest KV within DRIFT_LIMIT."""
-    cands = [Candidate(r, names[str(r.get("label"))], None, None, mem.get(_key(r)), drift(r)) for r in runs]
+    cands = [Candidate(r, names[str(r.get("label"))], None, None, mem.get(kv_key(r)), drift(r)) for r in runs]
     cands = [c for c in cands if c.drift is not None]
     if not cands:
         return None
@@ -326,7 +319,7 @@ def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) ->
 
 def verdicts(aggregate: dict) -> list[Verdict]:
     """One verdict per scenario (and per latency objective where a scenario's runs set different ones)."""
-    mem, kld = _lookups(aggregate)
+    mem, kld = kv_lookups(aggregate)
     out: list[Verdict] = []
     for scen, runs in D.scenarios(aggregate):
         usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from kvexp.analysis.documents import backend_name, kv_name
+from kvexp.analysis.documents import backend_name
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
-from kvexp.analysis.verdict import bytes_per_token, drift, short_names
+from kvexp.analysis.verdict import kv_key, kv_lookups, short_names
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
 from kvexp.report.tables import Table, drop_empty
@@ -18,27 +18,22 @@ from kvexp.report.tables import Table, drop_empty
 def _memory_vs_drift(agg: dict, colours: dict[str, str]) -> list[C.Series]:
     """Per backend and model: one point per KV dtype at (mean KLD at the deepest depth, KV bytes per
     token), labelled with the dtype: what a smaller KV dtype saves against what it costs."""
-    runs = list(agg.get("runs") or [])
-    mem: dict[tuple, float] = {}
-    for r in runs:
-        b = bytes_per_token(r)
-        if b is not None:
-            mem.setdefault((r.get("backend"), r.get("model"), kv_name(r).name), b)
+    mem, kld = kv_lookups(agg)
     groups: dict[tuple, dict[str, tuple[float, float]]] = {}
-    first: dict[tuple, dict] = {}
-    for r in runs:
-        d, key = drift(r), (r.get("backend"), r.get("model"), kv_name(r).name)
-        if d is not None and key in mem and key[2]:
-            groups.setdefault(key[:2], {}).setdefault(key[2], (d[0], mem[key]))
-            first.setdefault(key[:2], r)
+    for key, (mean_kld, _depth) in kld.items():
+        if key in mem and key[2]:
+            groups.setdefault(key[:2], {})[key[2]] = (mean_kld, mem[key])
+    first = {}
+    for r in agg.get("runs") or []:
+        first.setdefault(kv_key(r)[:2], r)
     names = len({m for _, m in groups}) > 1
     out = []
     for (backend, model), pts in groups.items():
-        r = first[(backend, model)]
         order = sorted(pts.items(), key=lambda kv: kv[1][1])
-        label = backend_name(backend) + (f", {str(model).rsplit('/', 1)[-1]}" if names else "")
-        out.append(C.Series(label, colours.get(str(r.get("label")), "#1f77b4"), tuple(p[0] for _, p in order),
-                            tuple(p[1] for _, p in order), C.marker(backend), point_labels=tuple(k for k, _ in order)))
+        label = backend_name(backend) + (f", {model.rsplit('/', 1)[-1]}" if names else "")
+        out.append(C.Series(label, colours.get(str(first[(backend, model)].get("label")), "#1f77b4"),
+                            tuple(p[0] for _, p in order), tuple(p[1] for _, p in order), C.marker(backend),
+                            point_labels=tuple(k for k, _ in order)))
     return out
 
 

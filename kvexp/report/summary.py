@@ -16,6 +16,7 @@ from jinja2 import Environment
 from kvexp import backends
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.documents import run_status, scenarios
+from kvexp.analysis.recommend import peak_level
 from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
@@ -243,9 +244,7 @@ def end_of_run_text(agg: dict[str, Any]) -> str:
         names.update(short_names(scenario_runs))
     rows = []
     for r in runs:
-        lvs = [lv for lv in r.get("levels") or [] if lv.get("status", "ok") == "ok"
-               and registry.is_num(lv.get("throughput_tok_s"))]
-        peak = max(lvs, key=lambda lv: lv["throughput_tok_s"], default=None)
+        peak = peak_level(r)
         bpt = bytes_per_token(r)
         figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
                    + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
