@@ -63,6 +63,35 @@ def test_without_repeats_a_wide_level_raises_the_threshold():
     assert not v.measurable
 
 
+def test_runs_under_different_machine_load_are_never_called_different():
+    """A 50 % lead measured while the machine was twice as loaded is the machine's as much as the
+    configuration's: not measurable, and every finding that compares them says why."""
+    calm = {"load_avg_1m": 0.6, "cores": 2, "busy_share": 0.4, "steal_share": 0.0}
+    busy = {"load_avg_1m": 2.4, "cores": 2, "busy_share": 1.0, "steal_share": 0.0}
+    a, b = _run("a", [_lv(4, 150.0, machine=calm)]), _run("b", [_lv(4, 100.0, machine=busy)], kv="q8_0")
+    v = noise.compare(a, a["levels"][0], b, b["levels"][0])
+    assert v.basis == "machine load" and not v.measurable and v.diff_pct == pytest.approx(50.0)
+    assert v.reason == ("not comparable: the machine's load differed between the runs "
+                        "(load 0.6 on 2 cores vs load 2.4 on 2 cores)")
+    texts = [f.sentence for f in F.compute_findings({"runs": [a, b]})]
+    (gain,) = [t for t in texts if "KV changes throughput" in t]
+    assert "not comparable: the machine's load differed" in gain and "a measurable difference" not in gain
+    assert not any("a measurable difference" in t for t in texts)
+    b["levels"][0]["machine"] = dict(calm)
+    assert noise.compare(a, a["levels"][0], b, b["levels"][0]).measurable
+
+
+def test_a_comparison_across_engines_names_each_engine_build_and_weights():
+    a, b = _run("a", [_lv(4, 150.0)]), _run("b", [_lv(4, 100.0)])
+    a.update(backend_version="b6700", weights={"weights_format": "GGUF Q4_1", "bits_per_weight": 5.74})
+    b.update(backend="vllm", backend_version="0.32.0", weights={"weights_format": "bfloat16"})
+    texts = [f.sentence for f in F.compute_findings({"runs": [a, b]})]
+    both = "(llama.cpp b6700 on GGUF Q4_1, 5.74 bits/weight vs vLLM 0.32.0 on bfloat16)"
+    assert any("highest throughput" in t and both in t for t in texts), texts
+    b.update(backend="llamacpp", backend_version="b6700", weights=dict(a["weights"]))
+    assert not any(" vs llama.cpp b6700" in f.sentence for f in F.compute_findings({"runs": [a, b]}))
+
+
 def test_findings_say_which():
     same_a, same_b = _repeated("same-a", 4, [100, 110, 90]), _repeated("same-b", 4, [104, 96, 112])
     agg = {"gpu": "G", "gpu_gib": 24.0, "runs": [same_a, same_b]}

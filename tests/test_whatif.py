@@ -89,6 +89,27 @@ def test_slots_backends_get_the_largest_context_that_fits_in_padded_slots():
     assert whatif.what_if({**inp, "weights_gib": None}, {}, LLAMACPP, H100)["kv_tokens"] is None
 
 
+def test_a_paged_server_runs_no_more_sequences_than_its_max_num_seqs():
+    """A tiny model on an H200 holds hundreds of thousands of requests in its pool, but vLLM runs at most
+    --max-num-seqs at once: the user's value, else vLLM's default for that GPU (not a value kvexp
+    derived from one sweep's levels)."""
+    tiny = _inputs(n_layers=2, n_kv_heads=2, head_dim=32, weights_gib=0.01, prompt_tokens=64, max_tokens=64,
+                   context_tokens=192, parallel=16)
+    h200 = whatif.GPUPreset("h200", "NVIDIA H200", 140.4)
+    a100 = whatif.GPUPreset("a100-80gb", "NVIDIA A100-SXM4-80GB", 79.15)
+    derived = {"parallel": "derived: highest concurrency level"}
+    row = whatif.what_if(tiny, derived, VLLM, h200)
+    pool = planner.plan_job(whatif._arch(tiny), "auto", VLLM, 140.4, prompt_tokens=64, max_tokens=64,
+                            levels=[], context=192)["max_concurrency_before_preemption"]
+    assert pool > 100_000
+    assert row["max_concurrent"] == row["max_num_seqs"] == 1024 and row["limit"] == "max_num_seqs"
+    assert whatif.what_if(tiny, derived, VLLM, a100)["max_concurrent"] == 256  # vLLM: no A100 is "large"
+    user = whatif.what_if(tiny, {"parallel": "backend.parallel"}, VLLM, h200)
+    assert user["max_concurrent"] == 16 and "--max-num-seqs 16" in whatif.row_cells(user)[9]
+    # a pool smaller than the cap still limits by preemption
+    assert whatif.what_if(_inputs(), derived, VLLM, RTX)["limit"] == "preemption"
+
+
 def test_weights_larger_than_the_gpu_do_not_fit():
     row = whatif.what_if(_inputs(weights_gib=30.0), {}, VLLM, RTX)
     assert row["kv_tokens"] == 0 and row["max_concurrent"] == 0 and row["fits"] is False

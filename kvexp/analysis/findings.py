@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from kvexp.analysis import noise
+from kvexp.analysis.conditions import setup_difference
 from kvexp.analysis.documents import (Finding, backend_name, caps_output_only, exposes, first_line, fmt_x, kv_name, num,
                                       run_kind, run_status, scenarios, sorted_levels, usable, x_words)
 from kvexp.analysis.qualityfindings import quality_findings
@@ -80,11 +81,12 @@ def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
                 sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) "
                             f"and {nxt.get('label')} ({run_kind(nxt)}) show no measurable difference in "
                             f"{what.split(' ', 2)[-1]}: {format_value(metric, bv)} vs {format_value(metric, nv)} "
-                            f"{unit} ({v.reason}).")
+                            f"{unit}{setup_difference(best, nxt)} ({v.reason}).")
             else:
                 sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) has "
                             f"{what}, {format_value(metric, bv)} {unit}; next is {nxt.get('label')} ({run_kind(nxt)}), "
-                            f"{format_value(metric, nv)} {unit}{diff_txt}" + (f", {v.phrase}." if v else "."))
+                            f"{format_value(metric, nv)} {unit}{diff_txt}{setup_difference(best, nxt)}"
+                            + (f", {v.phrase}." if v else "."))
             out.append(Finding(kind, sentence, scenario, (str(best.get("label")), str(nxt.get("label"))), numbers))
     return out
 
@@ -124,7 +126,7 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
                 numbers.update(vd.numbers(), runner_up=str(r2.get("label")), runner_up_tok_s=v2)
                 x2k, x2 = level_x(lv2)  # type: ignore[misc]
                 other = (f"{r2.get('label')} ({run_kind(r2)}), {format_value('throughput_tok_s', v2)} "
-                         f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}")
+                         f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}{setup_difference(run, r2)}")
                 if vd.measurable:
                     tail = f"; the runner-up, {other}, shows {vd.phrase}"
                 else:
@@ -167,6 +169,9 @@ def _noise_tail(xk: str, pairs: list[tuple]) -> str:
     yes = [format_value(xk, x[1]) for x, vd in verdicts if vd.measurable]
     no = [format_value(xk, x[1]) for x, vd in verdicts if not vd.measurable]
     bases = {vd.basis for _, vd in verdicts}
+    load = next((vd.conditions for _, vd in verdicts if vd.basis == "machine load"), None)
+    if load is not None:
+        return f"; not comparable: the machine's load differed between the runs ({load})"
     basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else
              f"a minimum effect of {noise.MIN_EFFECT * 100:.0f} % and the levels' dispersion" if bases == {"minimum effect"}
              else "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")

@@ -4,6 +4,8 @@ test decided:
 
 - repeats (both levels measured two or more times): the two 95 % confidence intervals of the repeats'
   mean (Student's t, stats.repeat_summary) do not overlap;
+- machine load: runs whose load average or CPU steal differed (conditions.py) are never called
+  measurably different, whatever the figures: the lead may be the machine's;
 - no repeats: the relative difference exceeds both MIN_EFFECT (5 %) and the noise the levels' own
   dispersion implies: the per-request spread (p95 - p50) / 1.645 of the figure's latency (TPOT for
   throughput, TTFT for TTFT), relative to its p50, as a standard error over the level's requests,
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvexp.analysis import conditions
 from kvexp.metrics import registry
 from kvexp.metrics.stats import repeat_summary
 
@@ -39,6 +42,7 @@ class Verdict:
     threshold_pct: Optional[float] = None
     ci_a: Optional[float] = None
     ci_b: Optional[float] = None
+    conditions: Optional[str] = None  # basis "machine load": the two runs' load, in words
 
     @property
     def label(self) -> str:
@@ -48,6 +52,8 @@ class Verdict:
     def reason(self) -> str:
         """Why, in words: which noise the difference was held against."""
         unit = registry.metric(self.metric).unit
+        if self.basis == "machine load":
+            return f"not comparable: the machine's load differed between the runs ({self.conditions})"
         if self.basis == "repeats":
             ci = f"{self.a:.1f} ± {self.ci_a:.1f} vs {self.b:.1f} ± {self.ci_b:.1f} {unit}".rstrip()
             return f"the repeats' 95 % CIs {'do not overlap' if self.measurable else 'overlap'}: {ci}"
@@ -99,6 +105,13 @@ def relative_se(level: dict, metric: str) -> Optional[float]:
 
 def compare(run_a: dict, level_a: dict, run_b: dict, level_b: dict, metric: str = "throughput_tok_s") -> Optional[Verdict]:
     """Whether level_a's metric differs measurably from level_b's (None when either lacks it)."""
+    load = conditions.load_difference(run_a, run_b)
+    if load is not None:
+        a, b = level_a.get(metric), level_b.get(metric)
+        if not (_is_num(a) and _is_num(b)):
+            return None
+        return Verdict(metric, float(a), float(b), False, "machine load", (a - b) / b * 100 if b else None,
+                       conditions=load)
     ra, rb = repeat_values(run_a, level_a, metric), repeat_values(run_b, level_b, metric)
     if len(ra) >= 2 and len(rb) >= 2:
         sa, sb = repeat_summary(ra), repeat_summary(rb)

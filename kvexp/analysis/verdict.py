@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvexp.analysis import documents as D, noise, recommend
+from kvexp.analysis import conditions as C, documents as D, noise, recommend
 from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
@@ -138,9 +138,7 @@ def _ties(best: Candidate, cands: list[Candidate], slo: Optional[dict]) -> tuple
             continue  # fewer users within the objective: a count, not a noisy estimate
         v = noise.compare(best.run, best.level, c.run, c.level) if best.level and c.level else None
         verdicts.append(v)
-        loads = [machine_load(best.run), machine_load(c.run)]
-        unlike = None not in loads and _conditions_differ(loads)  # type: ignore[arg-type]
-        if v is None or not v.measurable or unlike:  # a lead under other conditions is not called one
+        if v is None or not v.measurable:  # a lead under other machine load is not called one (noise.compare)
             tied.append(c)
     return tied, verdicts
 
@@ -215,40 +213,12 @@ def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str]) -> str
     if unconfirmed:
         parts.append("the server did not confirm the KV dtype of " + ", ".join(unconfirmed)
                      + " (what was asked, not what ran)")
-    loads = {names.get(str(r.get("label")), str(r.get("label"))): machine_load(r) for r in runs}
+    loads = {names.get(str(r.get("label")), str(r.get("label"))): C.machine_load(r) for r in runs}
     known = {k: v for k, v in loads.items() if v is not None}
-    if len(known) > 1 and _conditions_differ(list(known.values())):
+    if len(known) > 1 and C.loads_differ(list(known.values())):
         parts.append("the machine's load differed between runs (" + "; ".join(
-            f"{k}: {_load_words(v)}" for k, v in known.items()) + "), so a lead may be the machine's")
+            f"{k}: {C.load_words(v)}" for k, v in known.items()) + "), so a lead may be the machine's")
     return ("Caveat: " + "; ".join(parts) + ".") if parts else ""
-
-
-# Two runs' machine conditions differ when their CPU steal differs by more than this share of CPU time,
-# or their load average per core by more than LOAD_PER_CORE_DIFF.
-STEAL_DIFF = 0.05
-LOAD_PER_CORE_DIFF = 0.5
-
-
-def machine_load(run: dict) -> Optional[tuple[float, float, int]]:
-    """(mean 1-minute load average, highest CPU steal share, cores) over a run's levels; None: not recorded."""
-    ms = [lv["machine"] for lv in run.get("levels") or [] if isinstance(lv.get("machine"), dict)]
-    loads = [m["load_avg_1m"] for m in ms if is_num(m.get("load_avg_1m"))]
-    steals = [m["steal_share"] for m in ms if is_num(m.get("steal_share"))]
-    cores = next((int(m["cores"]) for m in ms if is_num(m.get("cores")) and m["cores"] > 0), None)
-    if not loads or cores is None:
-        return None
-    return sum(loads) / len(loads), max(steals, default=0.0), cores
-
-
-def _conditions_differ(loads: list[tuple[float, float, int]]) -> bool:
-    per_core = [load / cores for load, _, cores in loads]
-    steal = [st for _, st, _ in loads]
-    return max(steal) - min(steal) > STEAL_DIFF or max(per_core) - min(per_core) > LOAD_PER_CORE_DIFF
-
-
-def _load_words(v: tuple[float, float, int]) -> str:
-    load, steal, cores = v
-    return f"load {load:.1f} on {cores} cores" + (f", CPU steal {steal * 100:.0f} %" if steal else "")
 
 
 def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: dict, mem: dict,

@@ -215,6 +215,14 @@ def telemetry(metrics_text: str) -> TelemetrySample:
     )
 
 
+def default_max_num_seqs(gpu_gib: float, gpu_name: Optional[str]) -> int:
+    """vLLM's --max-num-seqs when none is given, for its OpenAI server on one GPU
+    (EngineArgs.get_batch_defaults): 1024 from 160 GiB, and from 70 GiB unless the GPU is an A100;
+    256 below. kvexp's own launches pass --max-num-seqs; this is what a what-if on another GPU assumes."""
+    big = gpu_gib >= 160 or (gpu_gib >= 70 and "a100" not in (gpu_name or "").lower())
+    return 1024 if big else 256
+
+
 class VLLM(Adapter):
     name = "vllm"
     display_name = "vLLM"
@@ -224,7 +232,8 @@ class VLLM(Adapter):
     installable = True
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=True, logprobs=True)
-    cache_model = CacheModel(name="vllm", paged=True, default_slots=None, default_block_size=GPU_BLOCK_SIZE,
+    cache_model = CacheModel(name="vllm", paged=True, default_slots=None, gpu_default_slots=default_max_num_seqs,
+                             default_block_size=GPU_BLOCK_SIZE,
                              reserved_blocks=1,  # the block pool's null block (vllm/v1/core/block_pool.py)
                              shares_prefixes=True)  # automatic prefix caching, on by default
     b: VLLMConfig

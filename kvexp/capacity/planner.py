@@ -63,7 +63,9 @@ class CacheModel:
     reserved_blocks: blocks of a paged pool that hold no request (vLLM's null block: its usage gauge
     is used / (blocks - 1), and requests preempt when those blocks are taken).
     default_context: the context when nothing sets it, from (GPU GiB, the model's own context);
-    None: the model's own context."""
+    None: the model's own context.
+    gpu_default_slots: the server's own cap on sequences at once on a given GPU when nothing sets it,
+    from (GPU GiB, GPU name) (vLLM's max_num_seqs default); None: default_slots applies."""
 
     name: str
     paged: bool
@@ -71,6 +73,7 @@ class CacheModel:
     cell_pad: int = 1
     default_slots: Optional[int] = 1
     default_context: Optional[Callable[[Optional[float], Optional[int]], int]] = None
+    gpu_default_slots: Optional[Callable[[float, Optional[str]], int]] = None
     default_block_size: Optional[int] = None
     reserved_blocks: int = 0  # blocks of the pool no request can use (vLLM keeps one null block)
     shares_prefixes: bool = False  # paged: running requests share the full blocks of a common prefix

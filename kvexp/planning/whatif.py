@@ -102,36 +102,54 @@ def _arch(inputs: Mapping[str, Any]) -> ModelArch:
                      inputs.get("dtype_bytes"), {}, inputs.get("model"))
 
 
-def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu_gib: float,
-         overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool]]:
-    """(KV tokens, concurrent requests before preemption/queueing, the configuration fits)."""
+def _server_slots(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel,
+                  gpu: GPUPreset) -> Optional[int]:
+    """Sequences a paged server runs at once on `gpu`: the user's backend.parallel, else the server's
+    own default for that GPU (vLLM's max_num_seqs); a value kvexp derived from one sweep's levels
+    describes that sweep, not the GPU asked about. None: not limited."""
+    if str(sources.get("parallel", "")).startswith(USER_SET) and inputs.get("parallel"):
+        return int(inputs["parallel"])
+    if cache.gpu_default_slots is not None and gpu.memory_gib is not None:
+        return cache.gpu_default_slots(gpu.memory_gib, gpu.name)
+    return cache.default_slots
+
+
+def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
+         overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool], bool]:
+    """(KV tokens, concurrent requests before preemption/queueing, the configuration fits, the server's
+    cap on sequences at once is what limits the concurrent requests)."""
     arch = _arch(inputs)
     kv = str(inputs.get("kv_dtype"))
+    gpu_gib = float(gpu.memory_gib or 0)
     prompt, out = int(inputs.get("prompt_tokens") or 0), int(inputs.get("max_tokens") or 0)
     request = prompt + out
     if cache.paged:
         user = lambda key: str(sources.get(key, "")).startswith(USER_SET)  # noqa: E731
+        slots = _server_slots(inputs, sources, cache, gpu)
         p = planner.plan_job(
             arch, kv, cache, gpu_gib, prompt_tokens=prompt, max_tokens=out, levels=[],
             gpu_memory_utilization=inputs.get("gpu_memory_utilization"),
-            context=inputs.get("context_tokens"), parallel=inputs.get("parallel"),
+            context=inputs.get("context_tokens"), parallel=slots,
             block_size=inputs.get("block_size") if user("block_size") else None, overhead_gib=overhead_gib,
             kv_cache_memory_bytes=inputs.get("kv_cache_memory_bytes") if user("kv_cache_memory_bytes") else None)
-        return p["capacity_tokens"], p["max_concurrency_before_preemption"], p["fits"]
+        pool, served = p["max_concurrency_before_preemption"], p["max_concurrent_requests"]
+        capped = slots is not None and pool is not None and served is not None and pool > served
+        return p["capacity_tokens"], served, p["fits"], capped
     bpt = planner.kv_bytes_per_token(arch.n_layers, arch.n_kv_heads, arch.head_dim,
                                      planner.kv_bytes_per_element(kv, arch.dtype_bytes))
     if bpt is None or arch.weights_gib is None or request <= 0:
-        return None, None, None
+        return None, None, None, False
     cells = planner.max_context_tokens(gpu_gib, arch.weights_gib, bpt, overhead_gib=overhead_gib)
     per_request = planner.cells_per_slot(request, 1, cache.cell_pad)
     conc = cells // per_request
-    return cells, conc, conc > 0
+    return cells, conc, conc > 0, False
 
 
 def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
             calibration: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None) -> dict[str, Any]:
     """One what-if row (JSON-ready; None where unknown): gpu, gpu_name, gpu_gib, backend, model,
-    kv_dtype, request_tokens, paged, limit ("preemption" | "queueing"), kv_tokens, max_concurrent,
+    kv_dtype, request_tokens, paged, limit ("preemption" | "queueing"; "max_num_seqs": a paged server's
+    cap on sequences at once binds before its pool does), max_num_seqs (that cap), kv_tokens, max_concurrent,
     fits, overhead_gib, and the same three with the calibrated overhead (calibrated_overhead_gib,
     calibrated_from: the GPU(s) it was measured on, calibrated_kv_tokens, calibrated_max_concurrent)."""
     backend = backend or str(inputs.get("backend") or cache.name)
@@ -142,18 +160,21 @@ def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheM
         "model": inputs.get("model"), "kv_dtype": inputs.get("kv_dtype"),
         "request_tokens": (inputs.get("prompt_tokens") or 0) + (inputs.get("max_tokens") or 0),
         "paged": cache.paged, "limit": "preemption" if cache.paged else "queueing",
-        "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None, "fits": None,
+        "max_num_seqs": None, "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None, "fits": None,
         "calibrated_overhead_gib": None, "calibrated_from": None, "calibrated_kv_tokens": None,
         "calibrated_max_concurrent": None,
     }
     if gpu.memory_gib is None:
         return row
-    row["kv_tokens"], row["max_concurrent"], row["fits"] = _fit(inputs, sources, cache, gpu.memory_gib, overhead)
+    row["kv_tokens"], row["max_concurrent"], row["fits"], capped = _fit(inputs, sources, cache, gpu, overhead)
+    if cache.paged:
+        row["max_num_seqs"] = _server_slots(inputs, sources, cache, gpu)
+        if capped:
+            row["limit"] = "max_num_seqs"
     cal, where = overhead_for(calibration, backend, gpu.name, str(inputs.get("kv_dtype")), inputs.get("dtype_bytes"))
     if cal is not None:
         row["calibrated_overhead_gib"], row["calibrated_from"] = round(cal, 4), where
-        row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _ = _fit(
-            inputs, sources, cache, gpu.memory_gib, cal)
+        row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _, _ = _fit(inputs, sources, cache, gpu, cal)
     return row
 
 
@@ -187,8 +208,15 @@ def row_cells(r: Mapping[str, Any], scenario: Optional[str] = None) -> list[str]
     cal = "-" if r["calibrated_overhead_gib"] is None else f"{r['calibrated_overhead_gib']:.2f} ({r['calibrated_from']})"
     return [f"{r['gpu_name'] or r['gpu']}", "-" if r["gpu_gib"] is None else f"{r['gpu_gib']:.2f}",
             str(r["model"]), str(r["backend"]), str(r["kv_dtype"]), scenario or "-",
-            _int(r["request_tokens"]), _int(r["kv_tokens"]), conc, f"{r['limit']} beyond",
+            _int(r["request_tokens"]), _int(r["kv_tokens"]), conc, limit_text(r),
             cal, _int(r["calibrated_kv_tokens"]), _int(r["calibrated_max_concurrent"])]
+
+
+def limit_text(r: Mapping[str, Any]) -> str:
+    """What happens to requests beyond the concurrent ones."""
+    if r["limit"] == "max_num_seqs":
+        return f"queueing beyond (--max-num-seqs {r['max_num_seqs']:,})"
+    return f"{r['limit']} beyond"
 
 
 HEADERS = ["GPU", "GiB", "model", "backend", "kv", "scenario", "tokens/request", "KV tokens",
@@ -203,7 +231,8 @@ def markdown_table(rows: list[tuple[Mapping[str, Any], Optional[str]]]) -> str:
     lines += ["| " + " | ".join(row_cells(r, s)) + " |" for r, s in rows]
     legend = ("KV tokens: the KV cache the GPU's memory leaves beside the weights and the overhead (vLLM: the "
               "block pool at its memory utilisation; llama.cpp/Ollama: the largest context that fits). "
-              "Concurrent requests: whole requests of the scenario held at once before vLLM preempts, or "
+              "Concurrent requests: whole requests of the scenario held at once before vLLM preempts (or "
+              "queues them beyond its --max-num-seqs: the value set, else vLLM's default for that GPU), or "
               "slots of one request each before llama.cpp/Ollama queue. cal.: with the overhead this "
               "machine measured (calibration file).")
     return "\n".join(lines + ["", legend]) + "\n"
