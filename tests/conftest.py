@@ -34,6 +34,18 @@ def llama_server() -> Path:
 
 
 @pytest.fixture(scope="session")
+def ollama() -> Path:
+    from kvexp.assets.install import find_ollama
+
+    found = find_ollama()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("ollama is missing in CI: .ci/run must run `python -m kvexp install ollama`")
+        pytest.skip("ollama not installed: run `python -m kvexp install ollama`")
+    return found
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf() -> Path:
     from kvexp.assets.tinymodels import ensure_tiny_gguf
 

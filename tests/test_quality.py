@@ -204,21 +204,13 @@ def test_vllm_fp8_drifts_and_auto_reproduces_itself(tmp_path):
     assert res["fp8"]["kv_cache"]["capacity_tokens"] == 2 * res["fp16"]["kv_cache"]["capacity_tokens"]
 
 
-# --- Ollama (the fake server: its continuation path through the adapter) -------------------------------
+# --- Ollama (the real server: its continuation path through the adapter) -------------------------------
 
-def test_ollama_quality_degrades_to_continuations_with_reasons(tmp_path):
-    import stat
-
-    fake = Path(__file__).parent / "fake_ollama.py"
-    exe = tmp_path / "ollama"
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" "$@"\n')
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    env = {**os.environ, "FAKE_OLLAMA_MODELS": "tiny", "FAKE_OLLAMA_TTFT_S": "0.01",
-           "FAKE_OLLAMA_TOKEN_GAP_S": "0.001"}
-    p = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, "backend=ollama", "model.ollama=tiny", "kv=fp16,q8_0",
-                        "scenario=quality", "quality.prompts=3", "quality.max_tokens=8", f"backend.binary={exe}"],
+def test_ollama_quality_degrades_to_continuations_with_reasons(ollama, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, "backend=ollama", "kv=fp16,q8_0",
+                        "scenario=quality", "quality.prompts=3", "quality.max_tokens=8", f"backend.binary={ollama}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                       env={**env, "KVEXP_QUALITY_CACHE": str(tmp_path / "qcache"), "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "KVEXP_QUALITY_CACHE": str(tmp_path / "qcache"), "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-3000:]
     (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
     res = results(sweep)

@@ -40,7 +40,7 @@ def _require(cond: bool, msg: str) -> None:
 def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
     """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
     b, s, kv = cfg.backend, cfg.scenario, cfg.kv
-    ref = adapter_class(b.name).model_field
+    ref = adapter_class(b.name).served_field(cfg.model)
     _require(cfg.unsupported in tuple(Unsupported),
              f"unsupported={cfg.unsupported!r}: allowed values are {', '.join(Unsupported)}")
     _require(s.prompt_tokens >= 1, f"scenario.prompt_tokens={s.prompt_tokens}: must be >= 1")

@@ -104,6 +104,22 @@ def _no_amx() -> list[str]:
     return [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
+def _llama_cpp_tree(tmpd: Path, log: Path, only: str = "") -> Path:
+    """Download the llama-cpp-python sdist into tmpd and unpack its llama.cpp tree (only the members under
+    `only`, a path inside that tree, when given); returns the tree's folder."""
+    run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)],
+             step=f"downloading the llama.cpp sources (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist)", log=log)
+    sdist = next(tmpd.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tf:
+        members = None
+        if only:
+            inside = f"/vendor/llama.cpp/{only.strip('/')}/"
+            members = [m for m in tf.getmembers() if inside in f"/{m.name}/"]
+        tf.extractall(tmpd, members=members, filter="data")
+    return next(tmpd.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
 def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
     """Build llama-server and llama-perplexity from one tree, in one cmake run (the libraries they
     share compile once). A tool already cached is kept: only the missing ones are built."""
@@ -123,13 +139,7 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
     print(f"kvexp install: building {', '.join(missing)} (about 5 minutes on 2 cores); compiler output: {log}")
     with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
         tmpd = Path(tmp)
-        run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmpd)],
-             step=f"downloading the llama.cpp sources (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist)", log=log)
-        sdist = next(tmpd.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tf:
-            tf.extractall(tmpd, filter="data")
-        src = next(tmpd.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        src = _llama_cpp_tree(tmpd, log)
         build = tmpd / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         run_step(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
@@ -255,3 +265,70 @@ def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
         run_step([str(python), "-m", "pip", "install", *VLLM_GGUF_PACKAGES],
                  step=f"adding {' and '.join(VLLM_GGUF_PACKAGES)} (GGUF reading for the model conversion)", log=log)
     return python
+
+
+# --- Ollama (CPU) from its Go module -----------------------------------------------------------
+# Up to v0.24.0 Ollama compiles ggml's CPU backend into its Go binary through cgo, so `go install
+# github.com/ollama/ollama@v0.24.0` builds a CPU server (from v0.30 the native code moved to a CMake
+# payload). The module zip leaves out the headers under llama/llama.cpp/vendor (nlohmann, stb,
+# miniaudio); they come from the same llama.cpp tree llama-server is built from (the llama-cpp-python
+# sdist), through CGO_CPPFLAGS. The Go toolchain must be 1.26 or newer (Ollama's go.mod).
+
+OLLAMA_VERSION = "0.24.0"
+OLLAMA_MODULE = "github.com/ollama/ollama"
+OLLAMA_BUILD = "b1"  # bumped when the build's flags change
+
+
+def cached_ollama() -> Path:
+    return cache_dir() / "bin" / f"ollama-{OLLAMA_VERSION}-{OLLAMA_BUILD}"
+
+
+def find_ollama(configured: str | None = None) -> Path | None:
+    """The ollama to run: the configured path, else PATH, else kvexp's cached build."""
+    if configured:
+        p = Path(configured).expanduser()
+        return p if p.is_file() else (Path(w) if (w := shutil.which(configured)) else None)
+    if w := shutil.which("ollama"):
+        return Path(w)
+    cached = cached_ollama()
+    return cached if cached.is_file() else None
+
+
+def _cgo_flags() -> str:
+    """-O3 for this machine's CPU, without AMX (the same reason as llama-server's build)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return "-O3 -march=native" + (f" {NO_AMX}" if x86 else "")
+
+
+def build_ollama(force: bool = False) -> Path:
+    """Build `ollama` (server and client in one binary) from its Go module, once per machine."""
+    target = cached_ollama()
+    if target.is_file() and not force:
+        print(f"ollama already installed: {target}")
+        return target
+    go = shutil.which("go")
+    if go is None:
+        raise SystemExit("kvexp install: 'go' not found; Ollama is built from its Go module: install Go 1.26 "
+                         "or newer (https://go.dev/dl/) first")
+    for tool in ("gcc", "g++"):
+        if not shutil.which(tool):
+            raise SystemExit(f"kvexp install: '{tool}' not found; Ollama's cgo build needs a C and C++ compiler")
+    log = cache_dir() / "build-ollama.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"")
+    print(f"kvexp install: building ollama {OLLAMA_VERSION} from its Go module (about 4 minutes on 2 cores); "
+          f"compiler output: {log}")
+    with tempfile.TemporaryDirectory(prefix="kvexp-ollama-") as tmp:
+        tmpd = Path(tmp)
+        headers = _llama_cpp_tree(tmpd, log, only="vendor") / "vendor"
+        flags = _cgo_flags()
+        env = {"GOBIN": str(tmpd / "bin"), "GOFLAGS": "-buildvcs=false", "CGO_ENABLED": "1",
+               "CGO_CPPFLAGS": f"-I{headers}", "CGO_CFLAGS": flags, "CGO_CXXFLAGS": flags}
+        run_step([go, "install", f"-ldflags=-X {OLLAMA_MODULE}/version.Version={OLLAMA_VERSION}",
+                  f"{OLLAMA_MODULE}@v{OLLAMA_VERSION}"],
+                 step=f"compiling ollama {OLLAMA_VERSION} (go install, cgo)", log=log, env=env)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tmpd / "bin" / "ollama", target.with_suffix(".tmp"))
+        os.replace(target.with_suffix(".tmp"), target)
+    print(f"ollama installed: {target}")
+    return target

@@ -217,6 +217,12 @@ class Adapter:
         return getattr(cfg.model, cls.model_field)
 
     @classmethod
+    def served_field(cls, model: Any) -> str:
+        """The ModelConfig field this backend serves from for `model` (model_field, unless the backend
+        takes one of several: Ollama serves a tag, else imports model.gguf)."""
+        return cls.model_field
+
+    @classmethod
     def check_model(cls, cfg: ExperimentConfig) -> None:
         """Refuse (ConfigError) a model that cannot be there, without making or loading anything."""
 
@@ -227,7 +233,7 @@ class Adapter:
         if locate and not cfg.backend.endpoint:
             program = cls.locate_program(cfg)
         try:
-            model = cls.locate_model(cfg, program) if locate else getattr(cfg.model, cls.model_field)
+            model = cls.locate_model(cfg, program) if locate else getattr(cfg.model, cls.served_field(cfg.model))
         except ConfigError:
             if locate and not cfg.backend.endpoint:
                 raise
@@ -297,6 +303,12 @@ class Adapter:
 
     def parse_line(self, line: bytes) -> Optional[StreamEvent]:
         raise NotImplementedError
+
+    async def chars_per_token(self, session: aiohttp.ClientSession) -> Optional[tuple[float, int, int]]:
+        """For a backend without a tokenizer endpoint: how many characters of kvexp's estimated text the
+        served model counts as one token, measured on the server ((ratio, characters sent, tokens counted));
+        None: not measured (prompts assume prompts.CHARS_PER_TOKEN)."""
+        return None
 
     async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:
         raise NotImplementedError(f"{self.name} has no tokenizer endpoint")

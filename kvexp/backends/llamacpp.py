@@ -115,6 +115,23 @@ def rotates(kv_type: str) -> bool:
     return kv_type not in ("f16", "bf16", "f32")
 
 
+def check_gguf_model(cfg: ExperimentConfig) -> None:
+    """A GGUF that is there and is a GGUF (its header read, in milliseconds), before any launch (llama.cpp,
+    and Ollama importing a file)."""
+    if cfg.backend.endpoint:
+        return
+    gguf = cfg.model.gguf
+    if gguf in embedded.WHEEL_MODELS:
+        embedded.gguf_file(gguf)  # installed, else the one-line error saying how
+    elif not embedded.is_embedded(gguf):
+        if not gguf or not Path(gguf).expanduser().is_file():
+            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+        try:
+            gguffile.read_header(Path(gguf).expanduser())
+        except gguffile.GGUFError as e:
+            raise ConfigError(f"model.gguf: {e}") from None
+
+
 class LlamaCpp(Adapter):
     name = "llamacpp"
     display_name = "llama.cpp"
@@ -139,19 +156,7 @@ class LlamaCpp(Adapter):
 
     @classmethod
     def check_model(cls, cfg: ExperimentConfig) -> None:
-        """A GGUF that is there and is a GGUF (its header read, in milliseconds), before any launch."""
-        if cfg.backend.endpoint:
-            return
-        gguf = cfg.model.gguf
-        if gguf in embedded.WHEEL_MODELS:
-            embedded.gguf_file(gguf)  # installed, else the one-line error saying how
-        elif not embedded.is_embedded(gguf):
-            if not gguf or not Path(gguf).expanduser().is_file():
-                raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
-            try:
-                gguffile.read_header(Path(gguf).expanduser())
-            except gguffile.GGUFError as e:
-                raise ConfigError(f"model.gguf: {e}") from None
+        check_gguf_model(cfg)
 
     @classmethod
     def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:

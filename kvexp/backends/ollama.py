@@ -15,26 +15,36 @@ came from the prompt cache, and since then it is the whole prompt length, so a 0
 prompt kvexp sends. An error during a stream arrives as a line {"error": "..."} (HTTP status stays 200);
 an error before the first line is an HTTP status with the same JSON body.
 
+Models: a tag the user pulled (model.ollama), served from the user's own models folder; or a GGUF file
+(model.gguf, the embedded models included), which kvexp imports into a launched server as
+kvexp-<file stem> through the server's own API (POST /api/blobs/sha256:<digest>, then /api/create
+with the file), in a models folder kvexp owns (OLLAMA_MODELS=<cache>/ollama/models): the blob is
+stored once per machine and each job re-creates the tag in milliseconds.
+
 There is no tokenizer endpoint (prompts are text of an estimated length; the realised length is the
 server's prompt_eval_count), no ignore_eos (options.num_predict only caps the output), no KV usage
 and no queue gauges. /api/ps states each loaded model's size and size_vram (`loaded_models`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
 
+from kvexp.assets import embedded
+from kvexp.assets.install import OLLAMA_VERSION, build_ollama, find_ollama
 from kvexp.backends import openai
 from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
-from kvexp.backends.llamacpp import MIB, parse_kv_log
+from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
-from kvexp.workload import scenario
+from kvexp.core.paths import cache_dir, sha256_of
+from kvexp.workload import prompts, scenario
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # what OLLAMA_KV_CACHE_TYPE accepts (Ollama's FAQ)
 QUANTISED = ("q8_0", "q4_0")
@@ -46,6 +56,12 @@ MANAGED_ENV = {
     "OLLAMA_NUM_PARALLEL": "backend.parallel",
     "OLLAMA_CONTEXT_LENGTH": "backend.context",
 }
+# The serve process logs this once a model has loaded, after the runner's KV cache lines.
+LOADED_LINE = "llama runner started in"
+# The characters-per-token probe: at most this many characters of estimated text, from this seed.
+PROBE_CHARS = 2000
+PROBE_SEED = 7
+TAG_PREFIX = "kvexp-"
 # Prompts are text of an estimated token length and may tokenize longer than targeted: the context
 # per sequence leaves room for PROMPT_SLACK x the target plus the output and a chat template. The
 # requests send truncate=false, so a prompt that still does not fit fails loudly instead of being
@@ -225,16 +241,30 @@ class Ollama(Adapter):
     capabilities = Capabilities(forces_output_length=False,  # num_predict caps the output; it may stop earlier
                                 exact_prompts=False,  # no tokenizer endpoint
                                 exposes_kv_usage=False, exposes_preemptions=False, logprobs=False)
-    cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1,
+    # cell_pad: the llama.cpp runner's context is rounded up like llama-server's (OLLAMA_CONTEXT_LENGTH=144
+    # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says)
+    cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
                              default_context=default_context_tokens)
     health_path = "/api/version"
     b: OllamaConfig
 
-    def __init__(self, cfg: ExperimentConfig, model_tag: Optional[str], binary: Optional[str]):
-        if not model_tag or model_tag.startswith("@"):
-            raise ConfigError(f"model.ollama={model_tag!r} for model={cfg.model.name}: give an Ollama model tag "
-                              "(e.g. model.ollama=qwen2.5:7b-instruct-q4_K_M), pulled beforehand")
-        super().__init__(cfg, model_tag, binary)
+    installable = True
+
+    def __init__(self, cfg: ExperimentConfig, model: Optional[str], binary: Optional[str]):
+        """model: a tag (model.ollama) or, without one, the GGUF file to import (model.gguf)."""
+        tag = cfg.model.ollama
+        if tag is not None and (not tag.strip() or tag.startswith("@")):
+            raise ConfigError(f"model.ollama={tag!r} for model={cfg.model.name}: give an Ollama model tag "
+                              "(e.g. model.ollama=qwen2.5:7b-instruct-q4_K_M), pulled beforehand, or unset it "
+                              "and give model.gguf to import a GGUF file")
+        if tag is None and cfg.backend.endpoint:
+            raise ConfigError(f"model.ollama is not set for model={cfg.model.name}: an attached Ollama server "
+                              "(backend.endpoint) serves a tag it has; kvexp imports a GGUF only into a server "
+                              "it launches")
+        if tag is None and not cfg.model.gguf:
+            raise ConfigError(f"model={cfg.model.name} sets neither model.ollama (a tag) nor model.gguf (a GGUF "
+                              "file kvexp imports)")
+        super().__init__(cfg, model, binary)
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"kv={cfg.kv.name}: per_backend.ollama={self.kv_type!r}; OLLAMA_KV_CACHE_TYPE "
                               f"accepts {', '.join(KV_TYPES)}")
@@ -247,21 +277,49 @@ class Ollama(Adapter):
 
     @classmethod
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
-        program = cfg.backend.binary or "ollama"
-        if shutil.which(program) is None:
-            raise ConfigError(f"{program} not found: install Ollama (https://ollama.com/download) or set "
-                              "backend.binary=/path/to/ollama")
-        return program
+        program = find_ollama(cfg.backend.binary)
+        if program is None:
+            where = f"backend.binary={cfg.backend.binary}: no such program" if cfg.backend.binary else "ollama not found"
+            raise ConfigError(f"{where}: run `python -m kvexp install ollama` (builds Ollama {OLLAMA_VERSION} from "
+                              "its Go module once) or set backend.binary=/path/to/ollama")
+        return str(program)
+
+    @classmethod
+    def served_field(cls, model: Any) -> str:
+        return "gguf" if model.ollama is None and model.gguf else "ollama"
+
+    @classmethod
+    def check_model(cls, cfg: ExperimentConfig) -> None:
+        if not cfg.model.ollama:
+            check_gguf_model(cfg)
 
     @classmethod
     def locate_model(cls, cfg: ExperimentConfig, program: Optional[str]) -> Optional[str]:
-        if not cfg.model.ollama:
-            raise ConfigError(f"model.ollama is not set for model={cfg.model.name}: give an Ollama model tag")
-        return cfg.model.ollama
+        if cfg.model.ollama:
+            return cfg.model.ollama
+        cls.check_model(cfg)
+        gguf = cfg.model.gguf
+        return str(embedded.gguf_file(gguf)) if embedded.is_embedded(gguf) else str(Path(str(gguf)).expanduser())
+
+    @classmethod
+    def install(cls, force: bool = False) -> None:
+        build_ollama(force=force)
+        embedded.install_wheel_model()
+
+    @property
+    def imports(self) -> Optional[Path]:
+        """The GGUF kvexp imports into the server (None: the server serves a tag it has)."""
+        if self.cfg.model.ollama or self.model_path is None:
+            return None
+        return Path(self.model_path)
 
     @property
     def model_tag(self) -> str:
-        return str(self.model_path)
+        gguf = self.imports
+        if gguf is None:
+            return str(self.cfg.model.ollama or self.model_path)
+        name = re.sub(r"[^a-z0-9_.-]+", "-", gguf.stem.lower()).strip("-.") or "model"
+        return TAG_PREFIX + name
 
     @property
     def parallel(self) -> int:
@@ -288,6 +346,7 @@ class Ollama(Adapter):
             "OLLAMA_NUM_PARALLEL": str(slots),
             "OLLAMA_CONTEXT_LENGTH": str(context),
             "OLLAMA_HOST": _host_port(b.host, b.port or PORT),  # type: ignore[arg-type]
+            **({"OLLAMA_MODELS": str(models_dir())} if self.imports else {}),
             **b.env,
         }
         argv = [self.program or "ollama", "serve", *b.extra_args]
@@ -330,10 +389,54 @@ class Ollama(Adapter):
             pass
         return None
 
+    async def import_model(self, session: aiohttp.ClientSession) -> None:
+        """Import the job's GGUF as self.model_tag through the server's API: the file is sent only when
+        the server does not hold its digest yet, then /api/create makes the tag (milliseconds)."""
+        gguf = self.imports
+        assert gguf is not None
+        digest = "sha256:" + await asyncio.to_thread(_digest, gguf)  # ~0.3 s per 100 MB, off the event loop
+        blob = f"{self.base_url}/api/blobs/{digest}"
+        async with session.head(blob) as r:
+            held = r.status == 200
+        if not held:
+            with open(gguf, "rb") as f:  # aiohttp reads a file payload in its executor
+                async with session.post(blob, data=f) as r:
+                    if r.status not in (200, 201):
+                        raise BackendError(f"ollama: sending {gguf} to the server failed: HTTP {r.status}: "
+                                           f"{_error_text(await r.text())}")
+        body = {"model": self.model_tag, "files": {_gguf_name(gguf): digest}, "stream": False}
+        async with session.post(self.base_url + "/api/create", json=body) as r:
+            text = await r.text()
+        if r.status != 200:
+            raise BackendError(f"ollama: importing {gguf} as {self.model_tag} failed: HTTP {r.status}: "
+                               f"{_error_text(text)}")
+
+    async def chars_per_token(self, session: aiohttp.ClientSession) -> Optional[tuple[float, int, int]]:
+        """One probe: estimated text half the context long at one character per token (it fits whatever
+        the tokenizer), raw, one output token; the server's prompt_eval_count gives the ratio."""
+        chars = max(16, min(PROBE_CHARS, self.context // 2))
+        text = prompts.estimated_text(1, chars, seed=PROBE_SEED, chars_per_token=1.0)[0]
+        body = {**self.request(text, 1, "completions").body, "stream": False}
+        async with session.post(self.base_url + "/api/generate", json=body) as r:
+            reply = await r.text()
+        try:
+            counted = _count(json.loads(reply), "prompt_eval_count") if r.status == 200 else None
+        except (ValueError, AttributeError):
+            counted = None
+        if not counted:
+            raise BackendError(f"ollama: measuring the model's characters per token failed: HTTP {r.status}: "
+                               f"{_error_text(reply)}")
+        return len(text) / counted, len(text), counted
+
+    def log_states_kv(self, log_text: str) -> bool:
+        return LOADED_LINE in log_text
+
     async def preload(self, session: aiohttp.ClientSession) -> bool:
         """Load the model (an empty prompt, as Ollama documents) so that the load lands neither in
         the first request's TTFT nor after the KV lines are read from the log. The reply carries no
         durations (done_reason "load" only): time the call if the load time is wanted."""
+        if self.imports:
+            await self.import_model(session)
         body = {"model": self.model_tag, "prompt": "", "stream": False, "options": self._options()}
         async with session.post(self.base_url + "/api/generate", json=body) as r:
             text = await r.text()
@@ -363,14 +466,18 @@ class Ollama(Adapter):
         text = data.get("response") or ""
         return list(text), [None] * len(text)
 
-    server_timing_source = "Ollama's per-request durations (TPOT = eval_duration / eval_count)"
+    server_timing_source = "Ollama's per-request durations (TPOT = eval_duration / (eval_count - 1))"
 
     def request_timing(self, timings: Optional[dict[str, float]],
                        output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:
+        """Ollama's runners (runner/llamarunner and runner/ollamarunner) count the first token's decode in
+        prompt_eval_duration and time eval_duration from the first token to the last: eval_count tokens,
+        eval_count - 1 intervals, which is what the client's TPOT averages too."""
         if not timings:
             return None
         decode = timings.get("eval_s")
-        return {"tpot_s": decode / output_tokens if decode is not None and output_tokens else None,
+        return {"tpot_s": decode / (output_tokens - 1) if decode is not None and output_tokens and output_tokens > 1
+                else None,
                 "prefill_s": timings.get("prompt_eval_s"), "cached_tokens": None}
 
     async def loaded_models(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
@@ -385,6 +492,24 @@ class Ollama(Adapter):
             out.append({"name": m.get("name") or m.get("model"), "size": _count(m, "size"),
                         "size_vram": _count(m, "size_vram"), "context_length": _count(m, "context_length")})
         return out
+
+
+def models_dir() -> Path:
+    """The models folder of the servers kvexp launches to serve a GGUF it imports."""
+    return cache_dir() / "ollama" / "models"
+
+
+def _digest(gguf: Path) -> str:
+    """The file's sha256: the embedded models' pinned one when the file is theirs (same size), else read."""
+    for m in embedded.WHEEL_MODELS.values():
+        if gguf == m.gguf and gguf.stat().st_size == m.size:
+            return m.sha256
+    return sha256_of(gguf)
+
+
+def _gguf_name(gguf: Path) -> str:
+    """The file's name as /api/create is given it: ending in .gguf, which Ollama takes as the format."""
+    return gguf.name if gguf.name.endswith(".gguf") else gguf.name + ".gguf"
 
 
 def _host_port(host: str, port: int | str) -> str:
@@ -402,4 +527,4 @@ def _error_text(body: str) -> str:
 
 
 def _pull_hint(status: int, tag: str) -> str:
-    return f" (pull it first: ollama pull {tag})" if status == 404 else ""
+    return f" (pull it first: ollama pull {tag})" if status == 404 and not tag.startswith(TAG_PREFIX) else ""

@@ -337,8 +337,9 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                 fits = cap > 0 and (model_ctx is None or model_ctx <= cap)
         elif bpt is not None and model_ctx is not None:
             n = slots or 1
-            if cache.context_per_slot:
-                cap, per_slot = model_ctx * n, model_ctx
+            if cache.context_per_slot:  # Ollama's runner asks llama.cpp for ctx x n cells, padded the same way
+                per_slot = cells_per_slot(model_ctx * n, n, cache.cell_pad)
+                cap = per_slot * n
             elif unified_kv:  # one stream of -c cells that any slot may fill
                 cap = per_slot = cells_per_slot(model_ctx, 1, cache.cell_pad)
             else:

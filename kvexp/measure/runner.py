@@ -149,8 +149,8 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     arch = _model_arch(backend)
     if arch is not None:
         res["model"].update(modelinfo.weights_of(arch))
-    served = getattr(cfg.model, backend.model_field, None)
-    res["model"]["origin"] = embedded.origin(served, backend.model_field == "gguf")
+    field = backend.served_field(cfg.model)
+    res["model"]["origin"] = embedded.origin(getattr(cfg.model, field, None), field == "gguf")
     reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:

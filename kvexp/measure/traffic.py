@@ -61,6 +61,8 @@ class Traffic:
         self.left_out = 0  # dataset entries over prompt_tokens
         self._reply_tokens: dict[str, int] = {}  # a dataset reply's length, as the server counts it
         self.rows: list[TraceRow] = []
+        # estimated text: characters per token as measured on the server (None: prompts.CHARS_PER_TOKEN)
+        self.probe: Optional[tuple[float, int, int]] = None
 
     @classmethod
     async def create(cls, backend: Adapter, session: aiohttp.ClientSession, s: ScenarioConfig) -> "Traffic":
@@ -68,6 +70,8 @@ class Traffic:
         if s.api == "completions" and backend.capabilities.exact_prompts:
             pool = await prompts.token_pool(backend, session, s.seed)
         self = cls(backend, session, s, pool)
+        if not self.exact:
+            self.probe = await backend.chars_per_token(session)
         if s.trace:  # token-id prompts: app/checks.check_config refuses a trace without them
             self.rows = trace_rows(s)
         if s.dataset:
@@ -85,6 +89,8 @@ class Traffic:
             "turns": s.conversation.turns, "think_time_s": s.conversation.think_time_s,
             "prompt_mode": ("dataset text" if s.dataset else "token ids" if self.pool is not None else
                             "exact text" if self.exact else "estimated text"),
+            "chars_per_token": None if self.probe is None else {
+                "value": round(self.probe[0], 4), "probe_chars": self.probe[1], "probe_tokens": self.probe[2]},
             "server_prompt_cache": self.cache,
             "dataset": None, "trace": None,
         }
@@ -144,6 +150,10 @@ class Traffic:
         return out
 
     # ---- prompts
+    @property
+    def chars_per_token(self) -> float:
+        return prompts.CHARS_PER_TOKEN if self.probe is None else self.probe[0]
+
     async def prompt(self, length: int, group: Optional[int], seed: int) -> Prompt:
         """A prompt of `length` tokens: group's shared prefix (if any), then a part of its own."""
         s = self.s
@@ -160,7 +170,8 @@ class Traffic:
             if text is None:
                 raise RuntimeError(f"could not build a chat prompt of exactly {length} tokens")
             return lead + text
-        return lead + prompts.estimated_text(1, max(1, length - (s.prefix_tokens if prefix else 0)), seed)[0]
+        return lead + prompts.estimated_text(1, max(1, length - (s.prefix_tokens if prefix else 0)), seed,
+                                             self.chars_per_token)[0]
 
     async def _prefix(self, group: int) -> Prompt:
         if group not in self._prefixes:
@@ -177,7 +188,8 @@ class Traffic:
                     raise RuntimeError(f"could not build a shared prefix of exactly {s.prefix_tokens} tokens")
                 self._prefixes[group] = text
             else:
-                self._prefixes[group] = prompts.estimated_text(1, s.prefix_tokens, s.seed * 31 + group)[0]
+                self._prefixes[group] = prompts.estimated_text(1, s.prefix_tokens, s.seed * 31 + group,
+                                                               self.chars_per_token)[0]
         return self._prefixes[group]
 
     async def user_message(self, length: int, seed: int) -> Prompt:
@@ -196,7 +208,7 @@ class Traffic:
         """The server's count of a dataset prompt (an estimate where it has no tokenizer)."""
         if not self.exact:
             text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
-            return max(1, round(len(text) / prompts.CHARS_PER_TOKEN))
+            return max(1, round(len(text) / self.chars_per_token))
         if isinstance(prompt, str):
             return len(await self.backend.tokenize(self.session, prompt))
         return await self.backend.chat_prompt_tokens(self.session, prompt)

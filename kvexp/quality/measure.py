@@ -81,7 +81,7 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
     job = QualityJob(cfg, q, backend, dtype, base_kv, base_dtype, dtype == base_dtype, cache, text, text_path,
                      out_dir, res.get("label") or "")
     block["baseline"].update(key=key, cache_dir=str(cache))
-    if getattr(cfg.model, backend.model_field, None) == "@tiny":
+    if getattr(cfg.model, backend.served_field(cfg.model), None) == "@tiny":
         job.warnings.append("model=tiny is degenerate by design (nearly one-hot next-token distributions): its "
                             "drift figures mean nothing; use model=tiny-quality")
     if backend.teacher_forced == "perplexity_tool":

@@ -80,7 +80,8 @@ def estimated_text(n: int, length: int, seed: int, chars_per_token: float = CHAR
     out = []
     for i in range(n):
         words = [f"r{i}x{rng.randrange(10**9)}"]
-        while sum(len(w) + 1 for w in words) < length * chars_per_token:
+        chars = max(1, round(length * chars_per_token))
+        while sum(len(w) + 1 for w in words) < chars:
             words.extend(made_up_words(rng, 8))
-        out.append(" ".join(words))
+        out.append(" ".join(words)[:chars].rstrip() or words[0][:chars])
     return out

@@ -1,0 +1,123 @@
+"""The real Ollama server (built from its Go module by `python -m kvexp install ollama`), launched by kvexp
+with the job's GGUF imported: each KV type applied as the server's own log states it, the KV cache the
+planner predicts, token counts equal to the server's eval_count, the client's TPOT beside the server's
+eval_duration on the real model, and no server left after SIGINT or a killed server.
+
+The fake Ollama (tests/fake_ollama.py) stays for what a real server cannot be made to do on demand:
+malformed streams, stalls, mid-stream errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import with_tiny
+from test_interrupts import Kvexp, jobs
+
+from kvexp.backends.llamacpp import MIB
+from kvexp.results.validate import check_file
+
+KV = {"fp16": "f16", "q8_0": "q8_0", "q4_0": "q4_0"}  # kvexp's name -> OLLAMA_KV_CACHE_TYPE
+
+
+def _run(tmp: Path, env: dict[str, str], *args: str) -> tuple[Kvexp, int]:
+    k = Kvexp(list(args), tmp, env, server="ollama")
+    return k, k.finish(timeout=600)
+
+
+def _requests(job: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (job / "requests.jsonl").read_text().splitlines()]
+    return [r for r in rows if not r["warmup"]]
+
+
+@pytest.fixture(scope="module")
+def sweep(ollama, tmp_path_factory):
+    """One sweep of the tiny model over Ollama's three KV types."""
+    tmp = tmp_path_factory.mktemp("ollama")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp / "cal.json")}
+    k, rc = _run(tmp, env, "-m", "backend=ollama", f"backend.binary={ollama}", "kv=fp16,q8_0,q4_0")
+    assert rc == 0, k.output[-3000:]
+    assert k.seen and not k.survivors()
+    (folder,) = (tmp / "outputs" / "sweeps").iterdir()
+    return folder
+
+
+def test_each_kv_type_is_the_one_the_server_applied_and_sized_as_planned(sweep):
+    results = jobs(sweep)
+    assert [r["kv"]["requested"] for r in results.values()] == list(KV)
+    for r in results.values():
+        kv = r["kv_cache"]
+        assert r["status"] == "complete" and r["backend"]["version"] == "0.24.0"
+        assert kv["dtype"] == kv["dtype_k"] == kv["dtype_v"] == KV[r["kv"]["requested"]]
+        assert "printed by Ollama's runner" in kv["source"][0]
+        plan = r["planner"]
+        assert kv["capacity_tokens"] == plan["capacity_tokens"]  # cells, as the runner's log states them
+        assert abs(kv["bytes"] - plan["kv_cache_bytes"]) <= 0.005 * MIB  # the log rounds to 0.01 MiB
+    assert check_file(sweep / "sweep.json") == []
+    assert (sweep / "report" / "report.pdf").is_file()
+
+
+def test_output_counts_are_the_servers_eval_count(sweep):
+    """kvexp records the server's eval_count, not its own count of stream lines: Ollama holds back a
+    token whose text is an incomplete character and sends it with the next, so a line may carry two."""
+    results = jobs(sweep)
+    for d in sorted(p for p in sweep.iterdir() if (p / "requests.jsonl").is_file()):
+        rows = _requests(d)
+        assert rows and all(r["http_status"] == 200 and r["error"] is None for r in rows)
+        for r in rows:  # num_predict reached: the server generated exactly max_tokens
+            assert r["finish_reason"] == "length" and r["output_tokens"] == r["max_tokens"], r
+            assert 1 <= len(r["token_times_s"]) <= r["output_tokens"]
+            assert r["prompt_tokens"] is not None and r["server_timings"]["eval_s"] > 0
+        levels = results[d.name]["levels"]
+        assert sum(lv["output_tokens"] for lv in levels) == sum(r["output_tokens"] for r in rows)
+
+
+def test_client_tpot_agrees_with_the_servers_eval_duration_on_the_real_model(ollama, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+    k, rc = _run(tmp_path, env, "backend=ollama", f"backend.binary={ollama}", "model=smollm2", "kv=q8_0",
+                 "scenario.concurrency=[1]", "scenario.max_tokens=32", "scenario.requests=8",
+                 f"hydra.run.dir={tmp_path}/run")
+    assert rc == 0, k.output[-3000:]
+    r = json.loads((tmp_path / "run" / "result.json").read_text())
+    (lv,) = r["levels"]
+    server = lv["server"]
+    assert server["source"].startswith("Ollama's per-request durations")
+    # the client's TPOT holds the server's decode time plus the stream's delivery; within 5 %
+    assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.05)
+    prompt = r["workload"]["chars_per_token"]
+    assert prompt["probe_tokens"] >= 1 and 1.0 < prompt["value"] < 6.0  # BPE, not one character per token
+    assert abs(lv["mean_prompt_tokens"] - r["scenario"]["prompt_tokens"]) <= 0.25 * r["scenario"]["prompt_tokens"]
+
+
+def test_sigint_leaves_no_ollama_process(ollama, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+    k = Kvexp(with_tiny(["backend=ollama", f"backend.binary={ollama}", "scenario.requests=2000",
+                         f"hydra.run.dir={tmp_path}/run"]), tmp_path, env, server="ollama")
+    k.wait_for("level 1: 2000 requests")
+    assert len(k.servers()) >= 2  # `ollama serve` and the runner it started for the model
+    time.sleep(0.5)
+    k.proc.send_signal(signal.SIGINT)
+    assert k.finish() == 130, k.output[-3000:]
+    time.sleep(1)
+    assert not k.survivors(), k.survivors()
+    assert "Traceback" not in k.output
+
+
+def test_a_killed_server_fails_its_job_and_the_next_runs(ollama, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+    k = Kvexp(with_tiny(["-m", "backend=ollama", f"backend.binary={ollama}", "kv=fp16,q8_0",
+                         "scenario.requests=400"]), tmp_path, env, server="ollama")
+    k.wait_for("ollama-tiny-fp16-smoke: level 1: 400 requests")
+    for p in k.servers():
+        p.kill()
+    assert k.finish() == 1, k.output[-3000:]
+    assert "kvexp: 1 job(s) failed: ollama-tiny-fp16-smoke" in k.output
+    assert not k.survivors()
+    (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
+    results = jobs(sweep)
+    assert [r["status"] for r in results.values()] == ["failed", "complete"]
+    assert results["0_ollama-tiny-fp16-smoke"]["status_reason"].startswith("ollama server was killed by SIGKILL")
