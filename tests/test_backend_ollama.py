@@ -18,7 +18,7 @@ import pytest
 
 from kvexp.metrics import stats
 from kvexp.backends.base import BackendError
-from kvexp.backends.ollama import Ollama, parse_ndjson_line, parse_server_log
+from kvexp.backends.ollama import Ollama, models_dir, parse_ndjson_line, parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.backends.ollama import OllamaConfig
 from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
@@ -37,17 +37,18 @@ KVS = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 def make_cfg(kv: str = "q8_0", *, parallel: int | None = None, context: int | None = None,
              flash_attention: bool = True, env: dict[str, str] | None = None, concurrency=(1, 4),
              prompt_tokens: int = 32, max_tokens: int = 8, requests: int = 8, api: str = "completions",
-             binary: str | None = None, tag: str | None = "tiny") -> tuple[ExperimentConfig, Ollama]:
+             binary: str | None = None, tag: str | None = "tiny", gguf: str | None = None,
+             endpoint: str | None = None) -> tuple[ExperimentConfig, Ollama]:
     cfg = ExperimentConfig(
         backend=OllamaConfig(parallel=parallel, context=context, flash_attention=flash_attention,
-                             env=dict(env or {}), binary=binary),
-        model=ModelConfig(name="tiny", ollama=tag),
+                             env=dict(env or {}), binary=binary, endpoint=endpoint),
+        model=ModelConfig(name="tiny", ollama=tag, gguf=gguf),
         kv=KVConfig(name=kv, per_backend={"ollama": kv}),
         scenario=ScenarioConfig(name="t", prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                 concurrency=list(concurrency), requests=requests, api=api,
                                 stall_timeout_s=5.0, request_timeout_s=20.0),
     )
-    return cfg, Ollama(cfg, tag, binary)
+    return cfg, Ollama(cfg, tag or gguf, binary)
 
 
 # -- the parser, on lines written from docs/api.md, docs/api/streaming.mdx, docs/api/errors.mdx --
@@ -161,12 +162,35 @@ def test_config_errors():
         make_cfg("fp8")
 
 
+def test_a_gguf_without_a_tag_is_imported_into_kvexps_models_folder(tmp_path):
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    _, b = make_cfg(tag=None, gguf=str(gguf))
+    assert b.imports == gguf and b.model_tag == "kvexp-smollm2-135m-instruct.q4_1"
+    assert b.launch_env(18080)["OLLAMA_MODELS"] == str(models_dir())
+    assert b.request("hi", 4, "completions").body["model"] == b.model_tag
+    _, own = make_cfg(tag=None, gguf=str(gguf), env={"OLLAMA_MODELS": "/models"})
+    assert own.launch_env(18080)["OLLAMA_MODELS"] == "/models"  # the user's folder wins
+    _, tagged = make_cfg(tag="qwen2.5:7b", gguf=str(gguf))  # a tag: served as pulled, the user's folder
+    assert tagged.imports is None and tagged.model_tag == "qwen2.5:7b" and "OLLAMA_MODELS" not in tagged.launch_env(1)
+    with pytest.raises(ConfigError, match="an attached Ollama server .* serves a tag it has"):
+        make_cfg(tag=None, gguf=str(gguf), endpoint="http://127.0.0.1:11434")
+
+
+def test_server_tpot_counts_intervals_not_tokens():
+    """eval_duration runs from the first token to the last (Ollama's runners put the first token's decode
+    in prompt_eval_duration): eval_count - 1 intervals, as the client's TPOT."""
+    _, b = make_cfg()
+    t = b.request_timing({"eval_s": 0.3, "prompt_eval_s": 0.05}, 4)
+    assert t["tpot_s"] == pytest.approx(0.1) and t["prefill_s"] == 0.05
+    assert b.request_timing({"eval_s": 0.0}, 1)["tpot_s"] is None
+
+
 def test_requests():
     _, b = make_cfg(max_tokens=8)
     r = b.request("hello there", 8, "completions")
     assert r.path == "/api/generate"
     assert r.body == {"model": "tiny", "stream": True, "truncate": False, "prompt": "hello there", "raw": True,
-                      "options": {"temperature": 0, "num_ctx": 136, "num_predict": 8}}
+                      "options": {"temperature": 0, "num_ctx": 136, "num_thread": b.threads, "num_predict": 8}}
     c = b.request("hello there", 8, "chat")
     assert c.path == "/api/chat" and "raw" not in c.body
     assert c.body["messages"] == [{"role": "user", "content": "hello there"}]

@@ -6,7 +6,7 @@
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
     python -m kvexp results PATH... [--csv [OUT]]              one row per level: a table, or comparison.csv
     python -m kvexp plan [overrides]                           KV-capacity planner table
-    python -m kvexp install [llamacpp|vllm|smollm2]            one-time builds / installs
+    python -m kvexp install [llamacpp|vllm|ollama|smollm2]     one-time builds / installs
     python -m kvexp cleanup                                    stop servers a killed kvexp left running
 """
 

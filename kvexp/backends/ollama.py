@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ LOADED_LINE = "llama runner started in"
 # The characters-per-token probe: at most this many characters of estimated text, from this seed.
 PROBE_CHARS = 2000
 PROBE_SEED = 7
+UNLOAD_POLLS = 300  # x 0.1 s: how long a reset waits for the model to unload
 TAG_PREFIX = "kvexp-"
 # Prompts are text of an estimated token length and may tokenize longer than targeted: the context
 # per sequence leaves room for PROMPT_SLACK x the target plus the output and a chat template. The
@@ -76,6 +78,9 @@ class OllamaConfig(BackendConfig):
     name: str = "ollama"
     binary: Optional[str] = None  # `ollama` on PATH by default
     flash_attention: bool = True
+    # CPU threads of the runner (options.num_thread, sent with every request so the model never reloads);
+    # None: all cores but one, as for llama-server, so that the load generator keeps a core
+    threads: Optional[int] = None
 
 
 def default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optional[int] = None) -> int:
@@ -322,6 +327,13 @@ class Ollama(Adapter):
         return TAG_PREFIX + name
 
     @property
+    def threads(self) -> int:
+        return self.b.threads or max(1, (os.cpu_count() or 2) - 1)
+
+    def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
+        return {"flash_attention": str(self.b.flash_attention), "threads": self.threads}
+
+    @property
     def parallel(self) -> int:
         return self.spec.slots or 1
 
@@ -356,6 +368,8 @@ class Ollama(Adapter):
         # num_ctx equals OLLAMA_CONTEXT_LENGTH, so a launched server does not reload the model; on an
         # attached server it makes the loaded context big enough (one reload, at the first request).
         opts: dict[str, Any] = {"temperature": 0, "num_ctx": self.context}
+        if not self.b.endpoint or self.b.threads:  # an attached server keeps its own unless asked
+            opts["num_thread"] = self.threads
         if max_tokens is not None:
             opts["num_predict"] = max_tokens
         return opts
@@ -450,6 +464,24 @@ class Ollama(Adapter):
         if done is not True:
             raise BackendError(f"ollama: loading {self.model_tag}: unexpected reply {text[:80]!r}")
         return True
+
+    async def reset_cache(self, session: aiohttp.ClientSession) -> Optional[str]:
+        """Ollama has no cache-reset call: the model is unloaded (keep_alive 0) and loaded again, so the
+        next level starts on a new runner whose prompt cache is empty."""
+        body = {"model": self.model_tag, "keep_alive": 0, "stream": False}
+        async with session.post(self.base_url + "/api/generate", json=body) as r:
+            if r.status != 200:
+                raise BackendError(f"ollama: unloading {self.model_tag} answered HTTP {r.status}: "
+                                   f"{_error_text(await r.text())}")
+        for _ in range(UNLOAD_POLLS):  # the scheduler unloads after answering
+            if not any(m["name"] == self.model_tag or str(m["name"]).startswith(self.model_tag + ":")
+                       for m in await self.loaded_models(session)):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise BackendError(f"ollama: {self.model_tag} was still loaded {UNLOAD_POLLS / 10:g} s after keep_alive=0")
+        await self.preload(session)
+        return "unloaded the model (keep_alive 0) and loaded it again: a new runner, its prompt cache empty"
 
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         return parse_server_log(log_text, self.kv_type)
