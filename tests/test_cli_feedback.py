@@ -103,7 +103,7 @@ def test_a_key_of_one_backend_applies_to_its_jobs_only():
 @pytest.mark.parametrize("overrides,expected", [
     ([*HEADLINE, "backend.pyhton=/x"], "backend.pyhton: unknown key; allowed keys are"),
     (["backend=llamacpp", "backend.python=/x"], "backend.python: unknown key; allowed keys are"),
-    (["backend=vllm,ollama", "backend.threads=2"], "backend.threads: unknown key; allowed keys are"),
+    (["backend=vllm,ollama", "backend.kv_rotation=off"], "backend.kv_rotation: unknown key; allowed keys are"),
 ])
 def test_a_key_no_backend_of_the_sweep_declares_is_refused(overrides, expected):
     with pytest.raises(ConfigError) as e:

@@ -216,6 +216,20 @@ def shown_value(level: dict[str, Any], key: str) -> Optional[str]:
     return None
 
 
+def level_text(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False,
+               value: Any = None, plain: bool = False) -> str:
+    """One level figure as every table writes it: disqualified (shown_value), missing (missing_text) or
+    formatted. value: the figure when it is not the level's own key (a repeat statistic); plain: no
+    disqualification applies to it."""
+    shown = None if plain else shown_value(level, key)
+    if shown is not None:
+        return shown
+    v = level_value(level, key) if value is None and not plain else value
+    if v is None:
+        return missing_text(key, level_failed=failed, exposed_elsewhere=exposed, foreign=foreign)
+    return format_value(key, v)
+
+
 # Figures that are not a level's (the planner's, a model's, quality's), written by the same formats.
 # Keys not listed follow their unit suffix (STYLE: units in names): _ms, _tok_s, _s, _tokens, _pct one
 # decimal; _gib two; anything else four significant digits.

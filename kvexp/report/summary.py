@@ -60,12 +60,7 @@ def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreig
     v = registry.level_value(level, key)
     if key == "repeat" and isinstance(v, int):
         return str(v + 1)
-    shown = registry.shown_value(level, key)
-    if shown is not None:
-        return shown
-    if v is None:
-        return registry.missing_text(key, level_failed=failed, exposed_elsewhere=exposed, foreign=foreign)
-    return registry.format_value(key, v)
+    return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=foreign)
 
 
 def levels_table(levels: list[dict[str, Any]], status: Optional[str], foreign: bool = False) -> Table:

@@ -121,15 +121,10 @@ _REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}  # read f
 
 def level_cell(run: dict, level: dict, key: str) -> str:
     """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
-    v = FL.repeat_stats(level)[_REPEAT_KEYS[key]] if key in _REPEAT_KEYS else registry.level_value(level, key)
-    shown = None if key in _REPEAT_KEYS else registry.shown_value(level, key)
-    if shown is not None:
-        return shown
-    if v is None:
-        failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
-        return registry.missing_text(key, level_failed=failed, exposed_elsewhere=D.exposes(run, key),
-                                     foreign=bool(run.get("tool")))
-    return registry.format_value(key, v)
+    repeat = key in _REPEAT_KEYS
+    failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
+    return registry.level_text(level, key, failed=failed, exposed=D.exposes(run, key), foreign=bool(run.get("tool")),
+                               value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
 
 
 def tool_name(run: dict) -> str:
