@@ -94,7 +94,11 @@ def test_a_file_that_is_not_a_gguf_is_one_line(smollm2, tmp_path):
     fake.write_bytes(b"not a model at all, just text" * 10)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(smollm2.read_bytes()[:4096])
-    for path, words in ((fake, "not a GGUF file"), (cut, "cut short")):
+    data = smollm2.read_bytes()
+    short = tmp_path / "short.gguf"  # the whole header, half the tensors: a download that stopped
+    short.write_bytes(data[:len(data) // 2])
+    for path, words in ((fake, "not a GGUF file"), (cut, "cut short"),
+                        (short, f"truncated: {len(data) // 2:,} bytes, but its tensors end at byte {len(data):,}")):
         with pytest.raises(gguffile.GGUFError) as e:
             gguffile.read_header(path)
         assert words in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)

@@ -171,6 +171,25 @@ def test_api_key_is_sent_but_never_written(tmp_path, monkeypatch, pool):
     assert not [p for p in files if key.encode() in p.read_bytes()]
 
 
+def test_an_attached_server_that_dies_ends_its_job(tmp_path, pool):
+    """No process to watch: the next level's health probe finds the server gone, and the job fails as
+    for a launched server instead of sending its requests to a dead port."""
+    port = free_port()
+    fake = ServerProcess([sys.executable, str(FAKE), "--port", str(port), "--fault", "crash", "--fault-after", "3"],
+                         {}, tmp_path / "fake.log", "fake")
+    fake.start()
+    try:
+        fake.wait_ready(f"http://127.0.0.1:{port}/health", 20)
+        r, err = run(tmp_path, Path("unused"), pool, f"backend.endpoint=http://127.0.0.1:{port}",
+                     "scenario.concurrency=[1,2]", "scenario.requests=4", "scenario.warmup_requests=0")
+    finally:
+        fake.stop()
+    assert isinstance(err, BackendError) and r["status"] == "failed"
+    assert r["status_reason"].startswith(f"the attached server at http://127.0.0.1:{port} does not answer "
+                                         f"http://127.0.0.1:{port}/health (")
+    assert [lv["concurrency"] for lv in r["levels"]] == [1]  # level 2 never sent a request
+
+
 def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
     proc = ServerProcess(["sh", "-c", "trap '' TERM; sleep 30 & sleep 30"], {}, tmp_path / "log", "stubborn")
     proc.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -309,6 +310,20 @@ def test_not_utf8_names_the_line(tmp_path):
     with pytest.raises(DataError) as e:
         dataset.load_dataset(p)
     assert str(e.value) == f"{p} line 3: not UTF-8"
+
+
+def test_a_line_too_long_for_any_prompt_and_a_fifo_are_refused_before_anything_is_sent(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 1000)
+    p = write(tmp_path, [PROMPT, {"prompt": "x" * 2000}, PROMPT])
+    with pytest.raises(DataError) as e:
+        dataset.load_dataset(p)
+    assert str(e.value) == (f"{p} line 2: longer than 1,000 bytes, far beyond any prompt a server takes; "
+                            "is it the right file?")
+    fifo = tmp_path / "f.jsonl"
+    os.mkfifo(fifo)  # reading it would wait for a writer for ever
+    with pytest.raises(DataError) as e:
+        dataset.load_dataset(fifo)
+    assert str(e.value) == f"{fifo}: cannot read: not a regular file (a folder, a FIFO or a device)"
 
 
 def test_bom_and_crlf_are_fine(tmp_path):

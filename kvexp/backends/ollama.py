@@ -284,7 +284,8 @@ class Ollama(Adapter):
     def locate_program(cls, cfg: ExperimentConfig) -> Optional[str]:
         program = find_ollama(cfg.backend.binary)
         if program is None:
-            where = f"backend.binary={cfg.backend.binary}: no such program" if cfg.backend.binary else "ollama not found"
+            b = cfg.backend.binary
+            where = f"backend.binary={b}: no such program" if b else "ollama not found"
             raise ConfigError(f"{where}: run `python -m kvexp install ollama` (builds Ollama {OLLAMA_VERSION} from "
                               "its Go module once) or set backend.binary=/path/to/ollama")
         return str(program)

@@ -8,7 +8,7 @@ skips arrays without building them (a string array by its lengths), and never re
 file takes milliseconds. Results are cached per (path, size, mtime), so a sweep reads a file once.
 
 Errors are one line naming the file (`GGUFError`): a file that is not a GGUF (bad magic), an
-unsupported version, or a header cut short."""
+unsupported version, a header cut short, or a file shorter than its tensors (a download that stopped)."""
 
 from __future__ import annotations
 
@@ -137,19 +137,25 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
             if value is not None and not key.startswith("tokenizer.ggml."):
                 meta[key] = value
         sizes = _quant_sizes()
-        n_params = n_bytes = 0
+        n_params = n_bytes = data_end = 0
         types: dict[str, int] = {}
         for _ in range(n_tensors):
             cur.skip_string()
             dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
             ttype = cur.take("<I")
-            cur.take("<Q")  # data offset
+            offset = cur.take("<Q")  # of the tensor's data, from the start of the data section
             elements = 1
             for d in dims:
                 elements *= d
             name, block, block_bytes = sizes.get(ttype, (f"type{ttype}", 0, 0))
+            tensor_bytes = elements * block_bytes // block if block else 0
             n_params += elements
-            n_bytes += elements * block_bytes // block if block else 0
+            n_bytes += tensor_bytes
+            data_end = max(data_end, offset + tensor_bytes)
             types[name] = types.get(name, 0) + 1
+        align = meta.get("general.alignment") if isinstance(meta.get("general.alignment"), int) else 32
+        need = -(-cur.pos // align) * align + data_end  # the data section starts aligned after the header
+        if size < need:
+            raise GGUFError(f"{path}: truncated: {size:,} bytes, but its tensors end at byte {need:,}")
     return GGUFHeader(path=path, version=version, metadata=meta, tensor_count=n_tensors,
                       n_params=n_params, n_bytes=n_bytes, tensor_types=types)

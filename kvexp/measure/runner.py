@@ -233,6 +233,21 @@ def _check_alive(server: Optional[Server]) -> None:
         raise BackendError(gone)
 
 
+ATTACHED_PROBE_S = 5.0  # how long an attached server's health endpoint may take to answer
+
+
+async def _check_attached(backend: Adapter, session: aiohttp.ClientSession) -> None:
+    """An attached server (backend.endpoint) has no process to watch: before each level its health
+    endpoint must answer, else the job ends as it would for a launched server that died."""
+    url = backend.base_url + backend.health_path
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=ATTACHED_PROBE_S)) as r:
+            await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise BackendError(f"the attached server at {backend.base_url} does not answer {url} ({why})") from None
+
+
 async def _measure(job: Job, backend: Adapter, server: Optional[Server], observer: Optional[Observer],
                    arch: Optional[ModelArch]) -> None:
     cfg, res = job.cfg, job.result
@@ -276,6 +291,8 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     continue  # finished by an earlier run of this job (resume)
                 for repeat in range(s.repeats):
                     _check_alive(server)
+                    if server is None:
+                        await _check_attached(backend, session)
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
                     job.add_level(summary)

@@ -22,6 +22,10 @@ class LineError(Exception):
     """A problem with one line, turned into a DataError naming the file and line."""
 
 
+# One line (one dataset entry or trace row) may hold at most this many bytes: 8 MiB is far beyond the
+# longest prompt a server takes (MAX_TOKENS tokens of a few bytes each), so a longer line is a broken
+# file, refused before its text is sent anywhere.
+MAX_LINE_BYTES = 8 << 20
 _CACHE: dict[tuple, list] = {}
 _CACHE_SIZE = 8
 
@@ -53,12 +57,17 @@ def read_jsonl(path: str | Path, parse: Callable[[int, Any], Any]) -> list:
         key = (str(p.resolve()), st.st_mtime_ns, st.st_size, parse)
     except OSError as e:
         raise DataError(f"{shown}: cannot read: {e.strerror or e}") from None
+    if not p.is_file():
+        raise DataError(f"{shown}: cannot read: not a regular file (a folder, a FIFO or a device)")
     if key in _CACHE:
         return list(_CACHE[key])
     out = []
     try:
         with p.open("rb") as f:
-            for n, raw in enumerate(f, start=1):
+            for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise DataError(f"{shown} line {n}: longer than {MAX_LINE_BYTES:,} bytes, far beyond any prompt "
+                                    "a server takes; is it the right file?")
                 try:
                     text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
                 except UnicodeDecodeError:
