@@ -35,6 +35,7 @@ from kvexp.metrics import search, stats
 from kvexp.metrics.levels import Level, kv_peak, level_warnings, level_x, workload_warnings
 from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
+from kvexp.quality.inputs import check_inputs
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.results.validate import SCHEMA_VERSION
@@ -154,6 +155,8 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:
+        if quality.wanted(cfg):  # its inputs, before any server starts
+            check_inputs(cfg, arch)
         if cfg.backend.endpoint:
             backend.base_url = cfg.backend.endpoint.rstrip("/")
             res["backend"]["endpoint"] = backend.base_url

@@ -16,6 +16,7 @@ methods share, servers.py the servers they talk to."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from kvexp.core.config import ExperimentConfig
 from kvexp.quality import continuations, perplexity, prompt_logprobs, stats as qs
 from kvexp.quality.cache import baseline_kv, cache_key, key_parts, quality_cache_dir, write_json
 from kvexp.quality.job import QualityJob, teacher_forced_null
+
+log = logging.getLogger("kvexp")
 
 
 def wanted(cfg: ExperimentConfig) -> bool:
@@ -102,6 +105,11 @@ def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: P
                             + "): drift figures include this nondeterminism")
     block["baseline"]["measured_by_this_job"] = job.measured
     block["baseline"]["cached"] = not job.measured
+    for d in (block["teacher_forced"] or {}).get("depths") or []:
+        if d.get("status") in ("skipped", "failed"):
+            job.warnings.append(f"teacher-forced depth {d['context']} {d['status']}: {d.get('reason')}")
+    for w in job.warnings:  # on the terminal too, not only in the result
+        log.warning("%s: quality: %s", res.get("label") or cfg.model.name, w)
     block["warnings"] = job.warnings
     block["duration_s"] = round(time.monotonic() - t0, 3)
     return block
