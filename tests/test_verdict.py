@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvexp.analysis.findings import compute_findings
 from kvexp.analysis.verdict import DRIFT_LIMIT, verdicts
 from kvexp.metrics import registry
 
@@ -162,9 +163,12 @@ def test_a_kv_dtype_the_server_did_not_confirm_is_named_in_the_caveat():
     a["kv_cache"]["dtype"] = "f16"
     (v,) = verdicts({"runs": [a, b]})
     assert "the server did not confirm the KV dtype of llama.cpp q8_0 (what was asked, not what ran)" in v.caveat
+    (f,) = [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
+    assert f.runs == (str(b["label"]),) and "did not confirm its KV dtype (asked: q8_0)" in f.sentence
     b["kv_cache"]["dtype"] = "q8_0"
     (v,) = verdicts({"runs": [a, b]})
     assert "confirm" not in v.caveat
+    assert not [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
 
 
 def test_a_clear_lead_also_names_its_memory_per_token_as_written():

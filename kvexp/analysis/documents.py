@@ -178,7 +178,7 @@ def scenarios(aggregate: dict) -> list[tuple[str, list[dict]]]:
 @dataclass(frozen=True)
 class Finding:
     kind: str  # best_throughput | best_ttft_p95 | best_overall_throughput | best_overall_ttft_p95 | kv_gain
-    #           | no_growth | saturation | preemption | no_preemption | not_exposed | variable_length
+    #           | no_growth | saturation | preemption | no_preemption | not_exposed | variable_length | kv_unconfirmed
     #           | failed | partial | failed_level
     sentence: str
     scenario: Optional[str] = None

@@ -172,9 +172,8 @@ def _noise_tail(xk: str, pairs: list[tuple]) -> str:
     load = next((vd.conditions for _, vd in verdicts if vd.basis == "machine load"), None)
     if load is not None:
         return f"; not comparable: the machine's load differed between the runs ({load})"
-    basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else
-             f"a minimum effect of {noise.MIN_EFFECT * 100:.0f} % and the levels' dispersion" if bases == {"minimum effect"}
-             else "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")
+    effect = f"a minimum effect of {noise.MIN_EFFECT * 100:.0f} % and the levels' dispersion"
+    basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else effect if bases == {"minimum effect"} else "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")
     parts = ([f"a measurable difference at {x_words(xk)} {', '.join(yes)}"] if yes else []) + (
         [f"no measurable difference at {x_words(xk)} {', '.join(no)}"] if no else [])
     return f"; {' and '.join(parts)} (against {basis})"
@@ -307,6 +306,19 @@ def not_exposed(runs: Iterable[dict]) -> Optional[Finding]:
         None, tuple(str(r.get("label")) for r in hidden), {"backends": backends})
 
 
+def kv_unconfirmed(run: dict) -> Optional[Finding]:
+    """A kvexp run whose server did not state the KV dtype it applied: its figures are the asked one's
+    only as far as the server honoured it."""
+    asked = run.get("kv_requested")
+    if run.get("tool") or not asked or (run.get("kv_cache") or {}).get("dtype") or not run.get("levels"):
+        return None
+    return Finding(
+        "kv_unconfirmed",
+        f"{run.get('label')} ({backend_name(run.get('backend'))}): the server did not confirm its KV dtype (asked: "
+        f"{asked}); its figures are what was asked, not what is known to have run.",
+        str(run.get("scenario")), (str(run.get("label")),), {"kv_requested": asked})
+
+
 def variable_length(run: dict) -> Optional[Finding]:
     flag = run.get("variable_length")
     assumed = flag is None and caps_output_only(run)
@@ -363,6 +375,7 @@ def compute_findings(aggregate: dict) -> list[Finding]:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:
         out += [f for f in (preemption_onset(scen, r, run_plan(r, aggregate)) for r in srun) if f]
+    out += [f for f in (kv_unconfirmed(r) for r in runs) if f]
     out += [f for f in (variable_length(r) for r in runs) if f]
     ne = not_exposed(runs)
     if ne:

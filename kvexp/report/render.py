@@ -84,7 +84,7 @@ _FINDING_GROUPS = (
     ("KV dtype: capacity and speed against quality", ("quality_trade", "quality_nondeterministic")),
     ("Saturation and queueing", ("no_growth", "saturation")),
     ("Preemption", ("preemption", "no_preemption")),
-    ("Caveats", ("variable_length", "not_exposed")),
+    ("Caveats", ("kv_unconfirmed", "variable_length", "not_exposed")),
     ("Best per level", ("best_throughput", "best_ttft_p95")),
 )
 

@@ -119,8 +119,10 @@ def setup_view(agg: dict) -> dict:
         kv = r.get("kv_cache") or {}
         k, v = kv.get("dtype_k"), kv.get("dtype_v")
         src = kv.get("source")
+        unconfirmed = not kv.get("dtype") and r.get("kv_requested") and not r.get("tool") and r.get("levels")
         kv_rows.append([
-            str(r.get("label")), str(r.get("kv_requested") or "—"), format_value("dtype", kv.get("dtype")),
+            str(r.get("label")), str(r.get("kv_requested") or "—"),
+            "— (not confirmed)" if unconfirmed else format_value("dtype", kv.get("dtype")),
             "—" if not (k or v) else f"{k or '—'} / {v or '—'}",
             format_value("blocks", kv.get("blocks")), format_value("block_size", kv.get("block_size")),
             format_value("capacity_tokens", kv_capacity(kv)),
