@@ -173,7 +173,8 @@ def _noise_tail(xk: str, pairs: list[tuple]) -> str:
     if load is not None:
         return f"; not comparable: the machine's load differed between the runs ({load})"
     effect = f"a minimum effect of {noise.MIN_EFFECT * 100:.0f} % and the levels' dispersion"
-    basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else effect if bases == {"minimum effect"} else "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")
+    basis = ("the repeats' 95 % CIs" if bases == {"repeats"} else effect if bases == {"minimum effect"} else
+             "the repeats' 95 % CIs where repeated, else a minimum effect and the levels' dispersion")
     parts = ([f"a measurable difference at {x_words(xk)} {', '.join(yes)}"] if yes else []) + (
         [f"no measurable difference at {x_words(xk)} {', '.join(no)}"] if no else [])
     return f"; {' and '.join(parts)} (against {basis})"
