@@ -77,14 +77,14 @@ def _texts(folder: Path) -> dict[str, Path]:
     ("latin1", "quality.text={latin1}: not UTF-8 (byte 0xe9 at offset 3); convert it, e.g. iconv -f latin1 -t utf-8"),
     ("binary", "quality.text={binary}: binary data (a NUL byte at offset 0), not text"),
     ("short", "quality.text={short}: 12 characters, fewer than the 1,024 tokens the shallowest depth (512) needs"),
-    ("deep", "quality.depths=[512, 100000000]: 100,000,000 is beyond model=tiny-quality's trained context of 8,192"),
+    ("deep", "quality.depths=[512, 16384]: 16,384 is beyond model=tiny-quality's trained context of 8,192 tokens"),
     ("endpoint", "quality with backend.endpoint=http://127.0.0.1:9: kvexp cannot set an attached server's KV dtype"),
 ])
 def test_quality_inputs_that_cannot_give_a_figure_fail_the_job_before_any_server_starts(tmp_path, case, expected):
     """A Latin-1 text once gave PPL 3.3e115, a 12-byte one skipped every depth silently, a depth of 1e8
     made llama-perplexity allocate 51 GB, and an attached f16 server's continuations were labelled q8_0."""
     paths = _texts(tmp_path)
-    extra = {"deep": "quality.depths=[512,100000000]", "endpoint": "backend.endpoint=http://127.0.0.1:9"}
+    extra = {"deep": "quality.depths=[512,16384]", "endpoint": "backend.endpoint=http://127.0.0.1:9"}
     arg = extra.get(case, f"quality.text={paths.get(case)}")
     p = subprocess.run([sys.executable, "-m", "kvexp", "model=tiny-quality", "scenario=quality", arg,
                         f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, cwd=ROOT, timeout=120)

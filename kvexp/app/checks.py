@@ -13,6 +13,10 @@ from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 
+from kvexp.app import bounds
+from kvexp.app.bounds import (MAX_BLOCK, MAX_CHUNKS, MAX_DEPTHS, MAX_GIB, MAX_KV_BYTES, MAX_LAYERS, MAX_PARAMS_B,
+                              MAX_POLL_S, MAX_PROMPTS, MAX_SLO_MS, MAX_THREADS, MAX_TOP_K, MAX_WAIT_S, MAX_WEIGHT_BITS,
+                              in_range as _in, num as _num, require as _require)
 from kvexp.backends import REGISTRY, adapter_class
 from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
@@ -32,13 +36,21 @@ def register_configs() -> None:
     cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
 
 
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
-    """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line."""
+    """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line. Every float of the
+    config must be finite (bounds.check_finite): after the per-key checks, whose messages say the range,
+    or when one of them stumbles over an inf or nan before saying so."""
+    try:
+        _check_config(cfg, kv_choices)
+    except ConfigError:
+        raise
+    except (ArithmeticError, ValueError, TypeError):  # e.g. int(inf) in a derived figure: name the setting
+        bounds.check_finite(cfg)
+        raise
+    bounds.check_finite(cfg)
+
+
+def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None) -> None:
     b, s, kv = cfg.backend, cfg.scenario, cfg.kv
     ref = adapter_class(b.name).served_field(cfg.model)
     _require(cfg.unsupported in tuple(Unsupported),
@@ -59,8 +71,10 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
              f"scenario.arrival={s.arrival!r}: allowed values are constant, poisson")
     _require(s.max_concurrency is None or s.max_concurrency >= 1,
              f"scenario.max_concurrency={s.max_concurrency}: must be >= 1 (or null for no cap)")
-    _require(s.max_start_rate is None or s.max_start_rate > 0,
-             f"scenario.max_start_rate={s.max_start_rate}: must be > 0 requests/s (or null for no cap)")
+    _in("scenario.max_start_rate", s.max_start_rate, 0, MAX_RATE, low_open=True, unit=" requests/s",
+        null="no cap")
+    bounds.check_levels(s)
+    bounds.check_kv_types(cfg)
     check_search(s)
     scenario.check_scenario(s)
     caps = adapter_class(b.name).capabilities
@@ -89,22 +103,6 @@ def check_known_keys(obj: Any, path: str = "") -> None:
     _require(not extra, f"{path}{extra[0] if extra else ''}: unknown key; allowed keys are {', '.join(sorted(fields))}")
     for name in sorted(fields):
         check_known_keys(getattr(obj, name), f"{path}{name}.")
-
-
-def _in(key: str, value: Any, lo: float, hi: float | None = None, *, low_open: bool = False,
-        null: str | None = None) -> None:
-    """value within [lo, hi] ((lo, hi] with low_open); None allowed when `null` says what it means."""
-    if value is None and null is not None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    ok = ok and (value > lo if low_open else value >= lo) and (hi is None or value <= hi)
-    lo_s = f"> {_num(lo)}" if low_open else f">= {_num(lo)}"
-    allowed = f"{lo_s} and <= {_num(hi)}" if hi is not None else lo_s
-    _require(ok, f"{key}={value}: must be {allowed}" + (f" (or null: {null})" if null else ""))
-
-
-def _num(x: float) -> str:
-    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
 def check_host(key: str, host: str) -> None:
@@ -139,25 +137,27 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     check_host("backend.host", b.host)
     if b.endpoint is not None:
         check_endpoint("backend.endpoint", b.endpoint)
-    _in("backend.ready_timeout_s", b.ready_timeout_s, 0, low_open=True)
+    _in("backend.ready_timeout_s", b.ready_timeout_s, 0, MAX_WAIT_S, low_open=True, unit=" s", why="a day")
+    _in("backend.telemetry_interval_s", b.telemetry_interval_s, 0.001, MAX_POLL_S, unit=" s")
     _in("backend.stop_grace_s", b.stop_grace_s, 0, 3600)
     _in("backend.parallel", b.parallel, 1, MAX_STREAMS, null="the backend's default")
     _in("backend.context", b.context, 1, 1 << 24, null="derived from the scenario")
-    for key in ("threads", "block_size", "kv_cache_memory_bytes"):
+    for key, hi in (("threads", MAX_THREADS), ("block_size", MAX_BLOCK), ("kv_cache_memory_bytes", MAX_KV_BYTES)):
         if hasattr(b, key):
-            _in(f"backend.{key}", getattr(b, key), 1, null="the backend's default")
+            _in(f"backend.{key}", getattr(b, key), 1, hi, null="the backend's default")
     if hasattr(b, "n_gpu_layers"):
-        _in("backend.n_gpu_layers", b.n_gpu_layers, -1, null="the backend's default")
+        _in("backend.n_gpu_layers", b.n_gpu_layers, -1, MAX_LAYERS, null="the backend's default")
     if hasattr(b, "gpu_memory_utilization"):
         _in("backend.gpu_memory_utilization", b.gpu_memory_utilization, 0, 1, low_open=True,
             null="the backend's default")
-    _in("gpu.memory_gib", g.memory_gib, 0, 1 << 20, low_open=True, null="read from NVML")
+    _in("gpu.memory_gib", g.memory_gib, 0, MAX_GIB, low_open=True, null="read from NVML")
     _in("gpu.index", g.index, 0, 1023)
     _in("gpu.sample_interval_s", g.sample_interval_s, 0.001, 60)
     for key in ("n_layers", "n_kv_heads", "head_dim"):
-        _in(f"model.{key}", getattr(m, key), 1, null="read from the model files")
-    for key in ("params_b", "weights_gib", "weight_bits"):
-        _in(f"model.{key}", getattr(m, key), 0, low_open=True, null="read from the model files")
+        _in(f"model.{key}", getattr(m, key), 1, MAX_LAYERS, null="read from the model files")
+    for key, hi, why in (("params_b", MAX_PARAMS_B, "100 trillion parameters"), ("weights_gib", MAX_GIB, "a PiB"),
+                         ("weight_bits", MAX_WEIGHT_BITS, "bits per parameter")):
+        _in(f"model.{key}", getattr(m, key), 0, hi, low_open=True, null="read from the model files", why=why)
     _require(not (s.concurrency and s.rates),
              f"scenario.concurrency={list(s.concurrency)} and scenario.rates={list(s.rates)} are both set: give one "
              "(for rates, add scenario.concurrency=[])")
@@ -171,10 +171,10 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     _in("scenario.requests", s.requests, 1, MAX_REQUESTS)
     _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_REQUESTS)
     _in("scenario.repeats", s.repeats, 1, 1000)
-    _in("scenario.request_timeout_s", s.request_timeout_s, 0, low_open=True)
-    _in("scenario.stall_timeout_s", s.stall_timeout_s, 0, low_open=True)
-    _in("scenario.slo_ttft_ms", s.slo_ttft_ms, 0, low_open=True, null="no TTFT objective")
-    _in("scenario.slo_tpot_ms", s.slo_tpot_ms, 0, low_open=True, null="no TPOT objective")
+    for key in ("request_timeout_s", "stall_timeout_s"):
+        _in(f"scenario.{key}", getattr(s, key), 0, MAX_WAIT_S, low_open=True, unit=" s", why="a day")
+    for key, what in (("slo_ttft_ms", "no TTFT objective"), ("slo_tpot_ms", "no TPOT objective")):
+        _in(f"scenario.{key}", getattr(s, key), 0, MAX_SLO_MS, low_open=True, null=what, unit=" ms", why="a day")
     check_fits_context(cfg)
 
 
@@ -212,20 +212,16 @@ def check_search(s: ScenarioConfig) -> None:
              f"scenario.search={s.search!r}: allowed values are concurrency, rate (or null)")
     levels = s.concurrency if s.search == "concurrency" else s.rates
     _require(bool(levels) and (s.search == "rate" or not s.rates),
-             f"scenario.search={s.search}: give the grid to search as scenario.{'concurrency' if s.search == 'concurrency' else 'rates'}"
+             f"scenario.search={s.search}: give the grid to search as "
+             f"scenario.{'concurrency' if s.search == 'concurrency' else 'rates'}"
              + (" (and no scenario.rates)" if s.search == "concurrency" else ""))
     _require(s.slo_ttft_ms is not None or s.slo_tpot_ms is not None,
              f"scenario.search={s.search}: give scenario.slo_ttft_ms and/or scenario.slo_tpot_ms to search against")
-    _require(s.search_min_growth is None or s.search_min_growth >= 0,
-             f"scenario.search_min_growth={s.search_min_growth}: must be >= 0 (or null: never stop on a plateau)")
-    _require(s.search_resolution is None or s.search_resolution > 0,
-             f"scenario.search_resolution={s.search_resolution}: must be > 0 (or null: the grid as given)")
+    bounds.check_grid(s)
 
 
 def check_client(c: ClientConfig) -> None:
-    w = c.workers
-    _require(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1),
-             f"client.workers={w!r}: allowed values are auto or a number >= 1")
+    bounds.check_workers(c)
     _require(c.event_loop in ("auto", "asyncio", "uvloop"),
              f"client.event_loop={c.event_loop!r}: allowed values are auto, asyncio, uvloop")
 
@@ -233,9 +229,11 @@ def check_client(c: ClientConfig) -> None:
 def check_quality(q: QualityConfig) -> None:
     _require(bool(q.depths) and all(d >= 16 for d in q.depths),
              f"quality.depths={list(q.depths)}: give context depths of at least 16 tokens, e.g. [512,2048]")
-    for key in ("chunks", "prompts", "prompt_tokens", "max_tokens", "top_k"):
-        v = getattr(q, key)
-        _require(v >= 1, f"quality.{key}={v}: must be >= 1")
+    _require(len(q.depths) <= MAX_DEPTHS and all(d <= MAX_TOKENS for d in q.depths),
+             f"quality.depths={list(q.depths)}: allowed at most {MAX_DEPTHS} depths of 16..{MAX_TOKENS:,} tokens")
+    for key, hi in (("chunks", MAX_CHUNKS), ("prompts", MAX_PROMPTS), ("prompt_tokens", MAX_TOKENS),
+                    ("max_tokens", MAX_TOKENS), ("top_k", MAX_TOP_K)):
+        _in(f"quality.{key}", getattr(q, key), 1, hi)
     _require((data_dir("conf") / "kv" / f"{q.baseline}.yaml").is_file(),
              f"quality.baseline={q.baseline}: no such KV option (one of conf/kv/*.yaml, e.g. fp16)")
     _require(q.text is None or Path(q.text).expanduser().is_file(),

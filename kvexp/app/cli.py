@@ -227,8 +227,12 @@ class LogObserver:
         pass
 
     def level_done(self, level: float, s: dict[str, Any]) -> None:
+        from kvexp.metrics.registry import UNKNOWN, format_value
+
+        fig = {k: UNKNOWN if s[k] is None else format_value(k, s[k]) for k in ("throughput_tok_s", "ttft_p50_ms",
+                                                                               "tpot_p50_ms")}
         log.info("%s: level %g: %s tok/s, TTFT p50 %s ms, TPOT p50 %s ms, errors %d/%d%s", self.label, level,
-                 s["throughput_tok_s"], s["ttft_p50_ms"], s["tpot_p50_ms"], s["errors"], s["requests"],
+                 fig["throughput_tok_s"], fig["ttft_p50_ms"], fig["tpot_p50_ms"], s["errors"], s["requests"],
                  "" if s["status"] == "ok" else " (FAILED)")
 
 

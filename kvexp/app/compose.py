@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
 
-from kvexp.app.checks import check_config, register_configs
+from kvexp.app.checks import check_config, check_endpoint, check_host, register_configs
 from kvexp.app.helptext import defaults
 from kvexp.backends import REGISTRY
 from kvexp.core import config as schemas
@@ -52,6 +52,8 @@ def kv_choices() -> dict[str, KVConfig]:
 
 def one_line_error(e: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
+    if type(e).__name__ == "OverrideParseException" and getattr(e, "override", None):
+        return _unparsable(str(e.override), str(getattr(e, "message", "") or e))
     cause = e.__cause__ or e
     m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
     if m and m.group(1) in GROUPS:
@@ -69,6 +71,28 @@ def one_line_error(e: BaseException) -> str:
         keys = sorted(f.name for f in dataclasses.fields(schema)) if dataclasses.is_dataclass(schema) else []
         return f"{full or m.group(1)}: unknown key; allowed keys are {', '.join(keys)}"
     return f"{full}: {first}" if full else first
+
+
+def _unparsable(override: str, message: str) -> str:
+    """An override Hydra's grammar cannot read (a character such as ! or an unclosed bracket), as one line;
+    a host says what a host may be."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+~") in ("backend.host", "backend.endpoint"):
+        try:
+            (check_host if key.lstrip("+~") == "backend.host" else check_endpoint)(key.lstrip("+~"), value)
+        except ConfigError as e:
+            return str(e)
+    first = (message.strip().splitlines() or [""])[0]
+    why = "a character the override grammar does not allow" if first.startswith("LexerNoViableAlt") else first
+    return (f"{override}: Hydra cannot parse this override ({why}); allowed: a value of letters, digits and "
+            f"_-./:, or one in quotes, e.g. {key}='{value}'")
+
+
+def sweep_lists(overrides: list[str]) -> list[str]:
+    """The overrides that are comma lists (a sweep: one job per value, which needs -m)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
 
 
 def sweep_overrides(overrides: list[str]) -> list[list[str]]:
@@ -118,6 +142,7 @@ def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]
     overrides, partial = backend_only_keys(overrides)
     try:
         combos = sweep_overrides(overrides)
+        lists = sweep_lists(overrides)
     except Exception as e:
         raise ConfigError(one_line_error(e)) from None
     out = []
@@ -128,13 +153,20 @@ def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]
             raise
         except Exception as e:
             raise ConfigError(one_line_error(e)) from None
+        cfg._sweep_lists = lists  # what check() refuses without -m (a private attribute: never written out)
         out.append((combo, drop_backend_only(cfg, partial)))
     return out
 
 
 def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False) -> Optional[str]:
     """None when the job can run; the reason when it is an unsupported backend/kv pair to skip (in a
-    sweep by default, anywhere with unsupported=skip). Raises ConfigError for anything else."""
+    sweep by default, anywhere with unsupported=skip). Raises ConfigError for anything else, a comma list
+    without -m included (Hydra would answer it with a 4-line "Ambiguous value")."""
+    lists = getattr(cfg, "_sweep_lists", None)
+    if lists and not multirun:
+        key, _, value = lists[0].partition("=")
+        raise ConfigError(f"{lists[0]}: a comma list runs one job per value, a sweep: allowed with -m (python -m "
+                          f"kvexp -m {lists[0]} ...), or give one value, or quote it to set a string: {key}='{value}'")
     try:
         check_config(cfg, kvs)
     except ConfigError as e:
