@@ -49,15 +49,19 @@ def find_llama_perplexity(server: str | Path | None = None) -> Path | None:
     return cached if cached.is_file() else None
 
 
-def find_llama_server(configured: str | None = None) -> Path | None:
-    """The llama-server to run: the configured path, else PATH, else kvexp's cached build."""
+def find_program(name: str, cached: Path, configured: str | None = None) -> Path | None:
+    """A server program to run: the configured path (or name on PATH), else `name` on PATH, else
+    kvexp's cached build; None: none of them."""
     if configured:
         p = Path(configured).expanduser()
         return p if p.is_file() else (Path(w) if (w := shutil.which(configured)) else None)
-    if w := shutil.which("llama-server"):
+    if w := shutil.which(name):
         return Path(w)
-    cached = cached_llama_server()
     return cached if cached.is_file() else None
+
+
+def find_llama_server(configured: str | None = None) -> Path | None:
+    return find_program("llama-server", cached_llama_server(), configured)
 
 
 _PROGRESS = re.compile(rb"^\[(\d+)/(\d+)\]")  # ninja's "[12/206] Building ..." (make's "[ 40%]" too)
@@ -284,14 +288,7 @@ def cached_ollama() -> Path:
 
 
 def find_ollama(configured: str | None = None) -> Path | None:
-    """The ollama to run: the configured path, else PATH, else kvexp's cached build."""
-    if configured:
-        p = Path(configured).expanduser()
-        return p if p.is_file() else (Path(w) if (w := shutil.which(configured)) else None)
-    if w := shutil.which("ollama"):
-        return Path(w)
-    cached = cached_ollama()
-    return cached if cached.is_file() else None
+    return find_program("ollama", cached_ollama(), configured)
 
 
 def _cgo_flags() -> str:
