@@ -21,9 +21,9 @@ from kvexp.core import __version__, machine
 from kvexp.core.config import to_plain
 from kvexp.core.paths import atomic_write
 from kvexp.metrics.levels import level_x
-from kvexp.results import foreign
-from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, errors_of, kind_of, parse_json,
-                                    read_bounded, validate_document)
+from kvexp.results import foreign, guards
+from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, inspect_file, json_lines_of, kind_of,
+                                    parse_json, read_bounded, read_errors, validate_document)
 
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
@@ -67,8 +67,21 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "aiohttp": aiohttp.__version__,
         "argv": sys.argv[1:],
+        "scheduler": scheduler(),
     }
     return {**env, **(extra or {})}
+
+
+def scheduler() -> dict[str, Any] | None:
+    """The batch job this run is, from the scheduler's environment: Slurm's job id, and for a job array (as
+    submitit submits a sweep) the array's job id and this job's task, so `squeue`/`sacct -j` find it
+    (`<array_job_id>_<array_task_id>`); None outside a scheduler."""
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job_id:
+        return None
+    task = os.environ.get("SLURM_ARRAY_TASK_ID", "")
+    return {"kind": "slurm", "job_id": job_id, "array_job_id": os.environ.get("SLURM_ARRAY_JOB_ID") or None,
+            "array_task_id": int(task) if task.isdigit() else None}
 
 
 def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:
@@ -123,35 +136,38 @@ def load_json(path: Path) -> Any:
 
 def json_lines(path: Path) -> list[Any] | None:
     """A file of one JSON object per line (what `vllm bench serve --append-result` writes), or None when
-    the file is not that."""
+    the file is not that (or cannot be read: the same guards as every other read)."""
     try:
-        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
-        docs = [json.loads(ln) for ln in lines]
+        docs = json_lines_of(read_bounded(Path(path)).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return docs if len(docs) > 1 and all(isinstance(d, dict) for d in docs) else None
+    return docs if docs is not None and all(isinstance(d, dict) for d in docs) else None
+
+
+def _refuse(errors: list[str]) -> ResultError:
+    """A file's problems as one line: the first, and how many more (`kvexp validate FILE` lists them)."""
+    return ResultError(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
 
 def load_any(path: Path) -> tuple[str, Any]:
     """Any file kvexp reads: ("result" | "aggregate", the checked document), or ("foreign", the parsed
-    JSON) for another tool's result recognised by its shape (kvexp.results.foreign). A file of no known shape is
-    refused with one line saying what was expected."""
-    try:
-        doc = load_json(path)
-    except ResultError:
-        doc = json_lines(path)
-        if doc is None or foreign.sniff(doc) is None:
-            raise
-    if foreign.sniff(doc) is not None:
-        return "foreign", doc
-    if not foreign.looks_like_kvexp(doc):
-        raise ResultError(f"{path}: unknown shape: {foreign.EXPECTED}")
-    return load_document(path, doc)
+    JSON) for another tool's result recognised by its shape (kvexp.results.foreign), its fields checked.
+    The reading and the checks are validate's (kvexp.results.validate.inspect_file): a file of no known
+    shape, or one validate refuses, is refused with one line naming the file and what is wrong."""
+    found = inspect_file(Path(path), not_json=" ({})", whole_mapping=False, jsonl=False)
+    if found.errors:
+        raise _refuse(found.errors)
+    return found.kind, found.doc
 
 
 def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
-    """A result or aggregate file, checked: (kind, document). `doc`: the file already parsed."""
-    doc = load_json(path) if doc is None else doc
+    """A result or aggregate file, checked as every command checks it: (kind, document). `doc`: the
+    file already parsed (then only its schema and sanity rules are checked)."""
+    if doc is None:
+        kind, doc = load_any(path)
+        if kind == "foreign":
+            raise ResultError(f"{path}: a result file of another tool, not a kvexp result or aggregate")
+        return kind, doc
     if not isinstance(doc, dict):
         raise ResultError(f"{path}: $: expected a JSON object, found {type(doc).__name__}")
     version = doc.get("schema_version")
@@ -159,7 +175,7 @@ def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
         raise ResultError(f"{path}: $.schema_version: {version} is newer than this kvexp understands "
                           f"({SCHEMA_VERSION}); upgrade kvexp")
     kind = kind_of(doc)
-    errs = errors_of(doc, kind)
+    errs = read_errors(doc, kind)
     if errs:
         raise ResultError(str(ValidationFailed(str(path), errs)))
     return kind, doc
@@ -191,17 +207,25 @@ def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, l
 
 def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:
     """Rewrite a requests.jsonl with only the measured requests of the (level, repeat) pairs kept;
-    warm-up lines, other levels' lines and a line cut short by a crash go."""
+    warm-up lines, other levels' lines, a line cut short by a crash and a line longer than a request's
+    (guards.MAX_LINE_BYTES) go. Read as every requests.jsonl is: a regular file only (ResultError for a
+    FIFO or device), at most guards.MAX_JSONL_BYTES, line by line."""
     kept = []
     if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-                key = (float(row["level"]), int(row["repeat"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-            if not row.get("warmup") and key in keep:
-                kept.append(line + "\n")
+        try:
+            for _, raw in guards.regular_lines(path, guards.MAX_JSONL_BYTES, guards.MAX_LINE_BYTES):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                try:
+                    row = parse_json(line) if len(raw) <= guards.MAX_LINE_BYTES else None
+                    key = (float(row["level"]), int(row["repeat"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if not row.get("warmup") and key in keep:
+                    kept.append(line + "\n")
+        except FileRefused as e:
+            raise ResultError(str(e)) from None
+        except OSError as e:
+            raise ResultError(f"{path}: cannot read: {e.strerror}") from None
     atomic_write(path, "".join(kept))
 
 
@@ -225,7 +249,9 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
 
 
 def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
-    """Other tools' result files in a folder tree, outside kvexp's job folders and their reports."""
+    """Other tools' result files in a folder tree, outside kvexp's job folders and their reports. Read
+    with the same guards as every file (a FIFO, a device or a huge file named *.json is not read); one
+    of a known tool's shape is listed even when its fields are wrong (reading it then says what is)."""
     out = []
     for f in sorted(folder.rglob("*.json")):
         if f.name in (RESULT_FILE, "sweep.json", "comparison.json") or any(d in f.parents for d in job_dirs):

@@ -1,14 +1,16 @@
 """JSON Schema validation of every file kvexp writes or reads (schema/*.schema.json, draft 2020-12),
 plus what a schema cannot say: every number finite, counts that agree (errors <= requests, a complete
-job has levels), sizes in the planner not negative, and limits on file size and nesting depth, so
-that a hostile or corrupt file is refused with its JSON path instead of read for ever or crashing."""
+job has levels), sizes in the planner not negative; and, for a file read (inspect_file: one reading path
+for validate, results, report and resume), the guards of kvexp.results.guards (regular files only, size,
+nesting depth, percentiles in order, each level once, physical bounds, text lengths) and strict types for
+other tools' fields (kvexp.results.foreign_fields), so that a hostile or corrupt file is refused with
+its JSON path instead of read for ever or crashing."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import stat
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -16,17 +18,19 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from kvexp.core.paths import data_dir
-from kvexp.results import foreign
+from kvexp.results import foreign, guards
+from kvexp.results.foreign_fields import field_errors
 
 KINDS = ("result", "aggregate", "request")
 SCHEMA_VERSION = 2  # the newest result format this kvexp reads and writes (2: typed warnings, server spec)
-MAX_FILE_BYTES = 256 << 20  # a result or aggregate file (a 100-run sweep's aggregate is a few MB)
-MAX_LINE_BYTES = 16 << 20  # one line of requests.jsonl
-MAX_DEPTH = 32  # nesting of objects and arrays (kvexp's own files nest 6 deep)
+MAX_FILE_BYTES = guards.MAX_JSON_BYTES  # a result, aggregate or other tool's file (read at call time)
+MAX_LINE_BYTES = guards.MAX_LINE_BYTES  # one line of requests.jsonl
+MAX_DEPTH = guards.MAX_DEPTH  # nesting of objects and arrays (kvexp's own files nest 6 deep)
+FileRefused = guards.FileRefused  # a file too large, not a regular file, or nested too deep
 
 
-class FileRefused(ValueError):
-    """A file too large, not a regular file, or nested too deep; the message is one line."""
+class TooDeep(ValueError):
+    """JSON text nested too deeply to decode; refused in the same words by every command."""
 
 
 class ValidationFailed(ValueError):
@@ -130,28 +134,32 @@ def errors_of(doc: Any, kind: str) -> list[str]:
     return structure + [f"{json_path(e)}: {e.message}" for e in errs] + semantic_errors(doc, kind)
 
 
+def read_errors(doc: Any, kind: str) -> list[str]:
+    """errors_of, and the sanity rules a file read must also pass (kvexp.results.guards.sanity_errors:
+    percentiles in order, each level once, physical bounds, text lengths)."""
+    errs = errors_of(doc, kind)
+    if any("nested deeper" in m for m in errs):
+        return errs
+    return errs + guards.sanity_errors(doc, kind)
+
+
 def read_bounded(path: Path, limit: int | None = None) -> bytes:
-    """A regular file's bytes, at most `limit`: FileRefused for a device, FIFO or folder (`/dev/zero`
-    would be read for ever) or a larger file; OSError as the system raises it."""
-    limit = MAX_FILE_BYTES if limit is None else limit
-    st = os.stat(path)
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(21, "Is a directory", str(path))
-    if not stat.S_ISREG(st.st_mode):
-        raise FileRefused(f"{path}: not a regular file (a device, FIFO or socket); not a kvexp file")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise FileRefused(f"{path}: larger than {limit >> 20} MiB; not a kvexp file")
-    return data
+    """A regular file's bytes, at most `limit` (MAX_FILE_BYTES): FileRefused for a device, FIFO or socket
+    (`/dev/zero` would be read for ever; a FIFO is never opened) or a larger file; IsADirectoryError for a
+    folder, other OSErrors as the system raises them."""
+    return guards.read_regular(path, MAX_FILE_BYTES if limit is None else limit)
 
 
 def parse_json(text: str | bytes) -> Any:
-    """json.loads, with a nesting too deep for the decoder as a ValueError (not a RecursionError)."""
+    """json.loads, with a nesting too deep for the decoder as a ValueError (not a RecursionError): found by
+    a scan of the text before decoding, and the decoder's own RecursionError as a backstop."""
+    too_deep = f"nested too deeply to decode (kvexp files nest at most {MAX_DEPTH} levels)"
+    if guards.too_deep(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        raise TooDeep(too_deep)
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"nested too deeply to decode (kvexp files nest at most {MAX_DEPTH} levels)") from None
+        raise TooDeep(too_deep) from None
 
 
 def kind_of(doc: Any) -> str:
@@ -171,41 +179,66 @@ def validate_document(doc: Any, kind: str | None = None, where: str = "document"
         raise ValidationFailed(where, errs)
 
 
-def check_file(path: Path) -> list[str]:
-    """Violations of one file (JSON or JSONL), each 'FILE: JSON-path: message'."""
-    if path.suffix == ".jsonl":
-        return _check_jsonl(path)
+@dataclass
+class Inspected:
+    """One file as read: its kind ("result", "aggregate", "request" for a requests.jsonl, "foreign" for
+    another tool's file, "" when it could not be read as any), the parsed document (None when
+    unreadable or a JSONL file) and every problem, each 'FILE: what is wrong' on one line."""
+
+    kind: str
+    doc: Any = None
+    errors: list[str] = field(default_factory=list)
+
+
+def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True, jsonl: bool = True) -> Inspected:
+    """Read and check one file the same way for every command: regular files only, bounded size and
+    depth, its shape recognised (kvexp's own or another tool's), then its schema, sanity rules and, for
+    another tool's file, the strict types of the fields kvexp maps. `not_json`: how a parse error is
+    quoted after "not JSON"; whole_mapping: also group another tool's levels into a run alone (a file
+    with no successful request cannot be, but can join others in `kvexp results`); jsonl: a file named
+    *.jsonl is a requests.jsonl, checked line by line."""
+    path = Path(path)
+    if jsonl and path.suffix == ".jsonl":
+        return Inspected("request", None, _check_jsonl(path))
     try:
-        data = read_bounded(path)
-        text = data.decode("utf-8")
+        text = read_bounded(path).decode("utf-8")
     except FileRefused as e:
-        return [str(e)]
+        return Inspected("", None, [str(e)])
+    except IsADirectoryError:
+        return Inspected("", None, [f"{path}: is a folder, not a result file"])
     except OSError as e:
-        return [f"{path}: cannot read: {e.strerror}"]
+        return Inspected("", None, [f"{path}: cannot read: {e.strerror}"])
     except UnicodeDecodeError:
-        return [f"{path}: not JSON (not UTF-8 text)"]
+        return Inspected("", None, [f"{path}: not JSON (not UTF-8 text)"])
     try:
         doc = parse_json(text)
+    except TooDeep as e:
+        return Inspected("", None, [f"{path}: {e}"])
     except ValueError as e:
-        doc = _json_lines(text)
+        doc = json_lines_of(text)
         if foreign.sniff(doc) is None:
-            return [f"{path}: not JSON: {e}"]
+            return Inspected("", None, [f"{path}: not JSON{not_json.format(e)}"])
     deep = [m for m in structure_errors(doc) if "nested deeper" in m]
     if deep:  # refused whatever its shape claims to be
-        return [f"{path}: {deep[0]}"]
+        return Inspected("", None, [f"{path}: {deep[0]}"])
     if foreign.sniff(doc) is not None:
-        return [f"{path}: {m}" for m in foreign_errors(doc, str(path))]
+        return Inspected("foreign", doc, [f"{path}: {m}" for m in foreign_errors(doc, str(path), whole_mapping)])
     if not foreign.looks_like_kvexp(doc):
-        return [f"{path}: unknown shape: {foreign.EXPECTED}"]
+        return Inspected("", doc, [f"{path}: unknown shape: {foreign.EXPECTED}"])
     kind = kind_of(doc)
     version = doc.get("schema_version") if isinstance(doc, dict) else None
-    if isinstance(version, int) and version > SCHEMA_VERSION:
-        return [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
-                f"({SCHEMA_VERSION}); upgrade kvexp"]
-    return [f"{path}: {m}" for m in errors_of(doc, kind)]
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        return Inspected(kind, doc, [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
+                                     f"({SCHEMA_VERSION}); upgrade kvexp"])
+    return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind)])
 
 
-def _json_lines(text: str) -> Any:
+def check_file(path: Path) -> list[str]:
+    """Violations of one file (JSON or JSONL), each 'FILE: JSON-path: message'."""
+    return inspect_file(path).errors
+
+
+def json_lines_of(text: str) -> Any:
     """One JSON object per line (`vllm bench serve --append-result`), else None."""
     try:
         docs = [parse_json(ln) for ln in text.splitlines() if ln.strip()]
@@ -214,41 +247,47 @@ def _json_lines(text: str) -> Any:
     return docs if len(docs) > 1 else None
 
 
-def foreign_errors(doc: Any, source: str) -> list[str]:
+def foreign_errors(doc: Any, source: str, whole_mapping: bool = True) -> list[str]:
     """Why another tool's file cannot be mapped to kvexp's levels, or its mapping breaks the aggregate
-    schema; [] when it maps cleanly."""
+    schema or kvexp's sanity rules; [] when it maps cleanly. The fields kvexp reads are checked first,
+    each problem named by the tool's own field."""
+    fields = field_errors(doc)
+    if fields:
+        return fields
     try:
-        runs = foreign.runs_of(foreign.levels_of(doc, source))
+        levels = foreign.levels_of(doc, source)
     except foreign.ForeignFormatError as e:
         return [str(e)]
-    return errors_of({"gpu": None, "gpu_gib": None, "runs": runs}, "aggregate")
+    try:
+        runs = foreign.runs_of(levels)
+    except foreign.ForeignFormatError as e:
+        if whole_mapping:
+            return [str(e)]
+        return [m for i, lv in enumerate(levels) for m in guards.level_errors(("levels", i), lv.level)]
+    return read_errors({"gpu": None, "gpu_gib": None, "runs": runs}, "aggregate")
 
 
 def _check_jsonl(path: Path) -> list[str]:
-    """Line by line, each at most MAX_LINE_BYTES: a file of any length is read in bounded memory."""
+    """Line by line, each at most MAX_LINE_BYTES, the file at most guards.MAX_JSONL_BYTES: a file of any
+    length is read in bounded memory; a FIFO or device is refused before it is opened."""
     out: list[str] = []
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return [f"{path}: not a regular file (a device, FIFO or socket); not a kvexp file"]
-        with open(path, "rb") as f:
-            n = 0
-            while True:
-                raw = f.readline(MAX_LINE_BYTES + 1)
-                if not raw:
-                    break
-                n += 1
-                if len(raw) > MAX_LINE_BYTES:
-                    return out + [f"{path}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB; not a kvexp file"]
-                if not raw.strip():
-                    continue
-                try:
-                    doc = parse_json(raw.decode("utf-8"))
-                except (ValueError, UnicodeDecodeError) as e:
-                    cut = not raw.endswith(b"\n")
-                    out.append(f"{path}:{n}: not JSON: {e}" + (" (the last line, cut short)" if cut else ""))
-                    continue
-                out += [f"{path}:{n}: {m}" for m in errors_of(doc, "request")]
+        for n, raw in guards.regular_lines(path, guards.MAX_JSONL_BYTES, MAX_LINE_BYTES):
+            if len(raw) > MAX_LINE_BYTES:
+                return out + [f"{path}:{n}: line longer than {guards.size_text(MAX_LINE_BYTES)}; not a kvexp file"]
+            if not raw.strip():
+                continue
+            try:
+                doc = parse_json(raw.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                cut = not raw.endswith(b"\n")
+                out.append(f"{path}:{n}: not JSON: {e}" + (" (the last line, cut short)" if cut else ""))
+                continue
+            out += [f"{path}:{n}: {m}" for m in errors_of(doc, "request")]
+    except FileRefused as e:
+        return [str(e)]
+    except IsADirectoryError:
+        return [f"{path}: is a folder, not a result file"]
     except OSError as e:
         return [f"{path}: cannot read: {e.strerror}"]
     return out
