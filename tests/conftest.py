@@ -4,10 +4,12 @@ tiny GGUF kvexp writes itself."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,28 +23,28 @@ def reference_path() -> Path:
     return local if local.is_file() else REFERENCE
 
 
+def installed(found: Path | None, program: str, backend: str) -> Path:
+    """A server program kvexp installs: skipped where it is missing, but a failure in CI, whose .ci/run
+    must install it."""
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{program} is missing in CI: .ci/run must run `python -m kvexp install {backend}`")
+        pytest.skip(f"{program} not installed: run `python -m kvexp install {backend}`")
+    return found
+
+
 @pytest.fixture(scope="session")
 def llama_server() -> Path:
     from kvexp.assets.install import find_llama_server
 
-    found = find_llama_server()
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("llama-server is missing in CI: .ci/run must run `python -m kvexp install llamacpp`")
-        pytest.skip("llama-server not installed: run `python -m kvexp install llamacpp`")
-    return found
+    return installed(find_llama_server(), "llama-server", "llamacpp")
 
 
 @pytest.fixture(scope="session")
 def ollama() -> Path:
     from kvexp.assets.install import find_ollama
 
-    found = find_ollama()
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("ollama is missing in CI: .ci/run must run `python -m kvexp install ollama`")
-        pytest.skip("ollama not installed: run `python -m kvexp install ollama`")
-    return found
+    return installed(find_ollama(), "ollama", "ollama")
 
 
 @pytest.fixture(scope="session")
@@ -63,11 +65,140 @@ def _no_leftover_servers():
     assert not leftover, f"servers left running after the test: {leftover}"
 
 
-def pgrep(pattern: str) -> list[str]:
-    if not shutil.which("pgrep"):
-        return []
-    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "pgrep" not in ln and "pytest" not in ln]
+def run_watched(argv: list[str], program: str, timeout: float, **popen) -> tuple[subprocess.CompletedProcess, list]:
+    """Run argv as a child process (output captured) and record, while it runs, every process under it
+    whose program is named `program`; returns its CompletedProcess and those processes (psutil, which
+    tells a live process from one whose pid was reused). Only this child's own tree is looked at: other
+    servers on the machine (another test run's, a user's) are not this test's to count."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    got: dict[str, str] = {}
+
+    def collect() -> None:
+        got["out"], got["err"] = proc.communicate()
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + timeout  # a hang guard only
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(argv, timeout)
+            seen_now(proc.pid, program, seen)
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(60)
+    done = subprocess.CompletedProcess(argv, proc.returncode, got.get("out", ""), got.get("err", ""))
+    return done, list(seen.values())
+
+
+def seen_now(pid: int, program: str, seen: dict) -> None:
+    """Add to `seen` the processes under pid (its whole tree) that run `program` now."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # it has just ended
+        return
+    for p in children:
+        try:
+            if program in Path(p.cmdline()[0]).name:  # the program itself, not a fork about to exec it
+                seen.setdefault(p.pid, p)
+        except (psutil.Error, IndexError):
+            continue
+
+
+def survivors(processes) -> list:
+    """Those of `processes` (psutil) still running: neither ended nor a zombie waiting for its parent."""
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    return alive
+
+
+class LoopLags:
+    """The test's own watch on the event loop a level runs on: every INTERVAL_S it sleeps and notes when it
+    woke and how late (on the run's clock). How long the loop was stalled around a send (the machine's
+    other work, the process off its core) is the yardstick, taken in the same run, for how late that send
+    could be; the watch is the test's, not a figure kvexp computed."""
+
+    INTERVAL_S = 0.005
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (woke at, s on the run's clock; how late, s)
+        self.origin = 0.0
+
+    @property
+    def lags(self) -> list[float]:
+        return [lag for _, lag in self.samples]
+
+    async def watch(self) -> None:
+        import asyncio
+
+        perf = time.perf_counter
+        while True:
+            t = perf()
+            await asyncio.sleep(self.INTERVAL_S)
+            now = perf()
+            self.samples.append((now - self.origin, max(0.0, now - t - self.INTERVAL_S)))
+
+    def stalled(self, start: float, end: float) -> tuple[float, int]:
+        """How long within [start, end] the loop was seen stalled (each sample's lag is the stretch just
+        before it woke), and how many samples that saw a stall of an interval or more overlap it."""
+        total, stalls = 0.0, 0
+        for woke, lag in self.samples:
+            overlap = min(woke, end) - max(woke - lag, start)
+            if overlap > 0:
+                total += overlap
+                stalls += lag >= self.INTERVAL_S
+        return total, stalls
+
+    def check_sends(self, requests: list[dict]) -> None:
+        """Each request (a requests.jsonl row) was sent at its time, late by no more than its event loop
+        was stalled meanwhile: plus one interval per stall seen (a stall shows up to an interval short)
+        and one more, and the stretch before a start that until() waits by yielding (beyond it a start
+        rests on the loop's millisecond timer). A client that held a send back while its loop was free (a
+        cap, a queue, a coarse timer, a wait on another request) fails this on a quiet machine or a busy
+        one; blocking work on the loop itself stalls the loop, and is kvexp's own client-limited check's."""
+        from kvexp.measure.loadgen import SPIN_S
+
+        assert self.samples, "the level ran on no event loop of this process: run it with client.workers=1"
+        for r in requests:
+            late = r["sent_s"] - r["scheduled_s"]
+            stalled, stalls = self.stalled(r["scheduled_s"], r["sent_s"])
+            allowed = stalled + (stalls + 1) * self.INTERVAL_S + SPIN_S
+            assert late <= allowed, (f"request {r['index']} sent {late * 1000:.1f} ms late; its loop was stalled "
+                                     f"{stalled * 1000:.1f} ms meanwhile")
+
+
+@pytest.fixture
+def loop_lags(monkeypatch) -> LoopLags:
+    """A LoopLags watching every level this test runs on its own event loop."""
+    import asyncio
+
+    from kvexp.measure.loadgen import LoadGenerator
+
+    out = LoopLags()
+    measured = LoadGenerator.measured
+
+    async def watched(self, sending):
+        out.origin = self.origin
+        watch = asyncio.get_running_loop().create_task(out.watch())
+        try:
+            return await measured(self, sending)
+        finally:
+            watch.cancel()
+
+    monkeypatch.setattr(LoadGenerator, "measured", watched)
+    return out
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "under_load: runs a busy loop on one core beside timing-sensitive checks")
 
 
 @pytest.fixture(autouse=True, scope="session")

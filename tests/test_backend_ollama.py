@@ -16,14 +16,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvexp.metrics import stats
 from kvexp.backends.base import BackendError
-from kvexp.backends.ollama import Ollama, models_dir, parse_ndjson_line, parse_server_log
+from kvexp.backends.ollama import Ollama, OllamaConfig, models_dir, parse_ndjson_line, parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
-from kvexp.backends.ollama import OllamaConfig
 from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.measure.client import make_session
 from kvexp.measure.loadgen import LoadGenerator
+from kvexp.metrics import stats
 from kvexp.metrics.records import RequestRecord
 from kvexp.workload.prompts import estimated_text
 
@@ -292,7 +291,8 @@ def fake_env(**kw: Any) -> dict[str, str]:
 
 def test_num_parallel_1_queues_requests(tmp_path):
     """OLLAMA_NUM_PARALLEL=1: four clients get no more throughput than one; TTFT at c=1 is the fake's."""
-    _, b = make_cfg("q8_0", parallel=1, env=fake_env(), binary=wrapper(tmp_path), max_tokens=8, requests=8)
+    env = fake_env()
+    _, b = make_cfg("q8_0", parallel=1, env=env, binary=wrapper(tmp_path), max_tokens=8, requests=8)
 
     async def run() -> tuple[dict, dict, dict, list]:
         async with make_session(b.base_url, 8, 20, 5) as session:
@@ -308,7 +308,10 @@ def test_num_parallel_1_queues_requests(tmp_path):
     for level in (c1, c4):
         assert level["errors"] == 0 and level["output_tokens"] == 64 and level["mean_output_tokens"] == 8
         assert level["mean_prompt_tokens"] >= 32  # realised from prompt_eval_count
-    assert 100 <= c1["ttft_p50_ms"] < 160
+    # c=1: the fake's own delay before the first token (a floor no busy machine lowers), and the first
+    # token well before the last, which the fake sends 7 token gaps later
+    ttft_ms, gap_ms = float(env["FAKE_OLLAMA_TTFT_S"]) * 1000, float(env["FAKE_OLLAMA_TOKEN_GAP_S"]) * 1000
+    assert ttft_ms <= c1["ttft_p50_ms"] < c1["e2e_p50_ms"] - 7 * gap_ms / 2
     assert 0.8 < c4["throughput_tok_s"] / c1["throughput_tok_s"] < 1.25
     assert c4["ttft_p50_ms"] > 2 * c1["ttft_p50_ms"]  # queued behind the one slot
     assert state["max_in_flight"] == 1 and state["loads"] == 1  # num_ctx matched: no reload

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_watched, survivors, with_tiny
 
 from kvexp.results.validate import check_file
-
-from conftest import pgrep, with_tiny
 
 
 def run_kvexp(args, cwd: Path, timeout=300):
@@ -19,14 +19,19 @@ def run_kvexp(args, cwd: Path, timeout=300):
                           timeout=timeout)
 
 
+def run_kvexp_watched(args, cwd: Path, timeout=300):
+    """run_kvexp, with the llama-servers this kvexp started (its own process tree, seen while it ran)."""
+    return run_watched([sys.executable, "-m", "kvexp", *with_tiny(args)], "llama-server", timeout, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
 def sweep(llama_server, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("sweep")
-    p = run_kvexp(["-m", "kv=fp16,q8_0", "scenario=smoke", f"backend.binary={llama_server}"], cwd)
+    p, servers = run_kvexp_watched(["-m", "kv=fp16,q8_0", "scenario=smoke", f"backend.binary={llama_server}"], cwd)
     assert p.returncode == 0, p.stderr[-3000:]
     sweeps = list((cwd / "outputs" / "sweeps").iterdir())
     assert len(sweeps) == 1
-    return sweeps[0], p
+    return sweeps[0], p, servers
 
 
 def jobs(sweep_dir: Path) -> list[Path]:
@@ -34,13 +39,13 @@ def jobs(sweep_dir: Path) -> list[Path]:
 
 
 def test_two_jobs_with_readable_names(sweep):
-    sweep_dir, _ = sweep
+    sweep_dir, *_ = sweep
     names = [d.name for d in jobs(sweep_dir)]
     assert names == ["0_llamacpp-tiny-fp16-smoke", "1_llamacpp-tiny-q8_0-smoke"]
 
 
 def test_files_validate(sweep):
-    sweep_dir, _ = sweep
+    sweep_dir, *_ = sweep
     for d in jobs(sweep_dir):
         for f in ("result.json", "requests.jsonl"):
             assert check_file(d / f) == [], f
@@ -56,7 +61,7 @@ def test_files_validate(sweep):
 
 
 def test_kv_types_are_the_servers_own(sweep):
-    sweep_dir, _ = sweep
+    sweep_dir, *_ = sweep
     reported = []
     for d in jobs(sweep_dir):
         r = json.loads((d / "result.json").read_text())
@@ -68,8 +73,24 @@ def test_kv_types_are_the_servers_own(sweep):
     assert reported == [("fp16", "f16", "f16", "f16"), ("q8_0", "q8_0", "q8_0", "q8_0")]
 
 
+def test_server_and_client_ran_on_cpus_of_their_own(sweep):
+    sweep_dir, *_ = sweep
+    mine = sorted(os.sched_getaffinity(0))
+    for d in jobs(sweep_dir):
+        r = json.loads((d / "result.json").read_text())
+        pl = r["environment"]["placement"]
+        if len(mine) < 2:
+            assert pl["mode"] == "shared" and pl["server_cpus"] is None
+            continue
+        assert pl["mode"] == "split" and pl["server_cpus"] + pl["client_cpus"] == mine
+        assert pl["server_cpus_seen"] == pl["server_cpus"]  # the server's own affinity, read from the OS
+        argv = r["backend"]["launch_command"]
+        assert argv[argv.index("-t") + 1] == str(len(pl["server_cpus"]))
+        assert r["environment"]["client"]["cores"] == len(pl["client_cpus"])
+
+
 def test_measurements(sweep):
-    sweep_dir, _ = sweep
+    sweep_dir, *_ = sweep
     for d in jobs(sweep_dir):
         r = json.loads((d / "result.json").read_text())
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
@@ -87,16 +108,18 @@ def test_measurements(sweep):
 
 
 def test_no_server_left(sweep):
-    assert not pgrep("llama-server")
+    _, _, servers = sweep
+    assert len(servers) == 2  # one per KV type (a launch of its own, not the first one's server reused)
+    assert not survivors(servers)
 
 
 def test_single_default_run(llama_server, tmp_path):
-    p = run_kvexp([f"backend.binary={llama_server}"], tmp_path)
+    p, servers = run_kvexp_watched([f"backend.binary={llama_server}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
     assert run_dir.name.endswith("_llamacpp-tiny-fp16-smoke")
     assert check_file(run_dir / "result.json") == []
-    assert not pgrep("llama-server")
+    assert len(servers) == 1 and not survivors(servers)
 
 
 def test_missing_llama_server_says_how_to_get_it(tmp_path):
@@ -111,7 +134,7 @@ def test_what_a_person_reads_is_prose_with_the_verdict_first(sweep):
     nearly empty page, the verdict before the findings; the verdict names the noise it held the jobs to."""
     from test_verdict import check_readable
 
-    sweep_dir, _ = sweep
+    sweep_dir, *_ = sweep
     check_readable(sweep_dir)
     summary = (sweep_dir / "summary.md").read_text()
     verdict = summary.split("## Verdict", 1)[1].split("##", 1)[0]

@@ -15,14 +15,14 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from kvexp.core import machine
-from kvexp.metrics import stats
 from kvexp.backends import openai
 from kvexp.backends.base import Request
+from kvexp.core import machine
 from kvexp.measure.client import ClientOptions, make_session
 from kvexp.measure.eventloop import LoopLagMonitor
 from kvexp.measure.loadgen import LoadGenerator, arrival_offsets
 from kvexp.measure.workers import resolve_workers, runs_in_process, split_closed
+from kvexp.metrics import stats
 from kvexp.metrics.records import RequestRecord
 
 FX = Path(__file__).parent / "fixtures"
@@ -47,12 +47,14 @@ class Streamer:
 
 
 class FakeServer:
-    """aiohttp server: POST /v1/completions streams `pieces` (bytes, or a float: sleep that long)."""
+    """aiohttp server: POST /v1/completions streams `pieces` (bytes; a float: sleep that long; a function:
+    await what it returns)."""
 
     def __init__(self, pieces: Optional[list[Any]] = None, status: int = 200):
         self.pieces = pieces
         self.status = status
         self.received: list[float] = []  # perf_counter when each request arrived
+        self.wrote: list[float] = []  # perf_counter after each piece of bytes was written
 
     def stream(self, n: int) -> list[Any]:
         return [token(i) for i in range(n - 1)] + [token(n - 1, '"length"'), tail(n)]
@@ -67,8 +69,11 @@ class FakeServer:
         for piece in self.pieces if self.pieces is not None else self.stream(int(body["max_tokens"])):
             if isinstance(piece, float):
                 await asyncio.sleep(piece)
+            elif callable(piece):
+                await piece()
             else:
                 await resp.write(piece)
+                self.wrote.append(time.perf_counter())
         await resp.write_eof()
         return resp
 
@@ -101,12 +106,27 @@ async def send_one(server: FakeServer, stall_s: float = 30) -> RequestRecord:
 def test_lines_split_across_reads_are_joined_and_lines_of_one_read_share_a_time():
     whole = token(0) + token(1) + token(2, '"length"') + tail(3)
     cut = whole.index(b'"t1"') + 2  # in the middle of the second token's JSON
-    rec = asyncio.run(send_one(FakeServer([whole[:cut], 0.05, whole[cut:]])))
+    client: list[LoadGenerator] = []
+
+    async def first_read() -> None:  # the rest is written once the client has read the first part
+        while not client[0].reads:
+            await asyncio.sleep(0.001)
+
+    server = FakeServer([whole[:cut], first_read, whole[cut:]])
+
+    async def go() -> RequestRecord:
+        async with server as url, make_session(url, 4, 60, 30) as session:
+            client.append(LoadGenerator(session, Streamer()))
+            (req, rec), = requests(1)
+            return await client[0].send(req, rec)
+
+    rec = asyncio.run(go())
     assert rec.ok, rec.error
     assert rec.output_tokens == 3 and rec.prompt_tokens == 4 and rec.finish_reason == "length"
     t = rec.token_times_s
     assert len(t) == 3
-    assert t[1] - t[0] >= 0.045  # the second token was completed by the second read
+    rest = server.wrote[1] - client[0].origin  # when the server wrote the rest, on the client's clock
+    assert t[0] < rest <= t[1]  # the second token was completed by the second read, not the first
     assert t[1] == t[2]  # the rest arrived in that same read: one timestamp
     assert rec.sent_s < rec.first_token_s == t[0] <= rec.done_s
 
@@ -199,9 +219,13 @@ def test_open_loop_records_schedule_and_client_queue():
     run = asyncio.run(go())
     recs = run.records
     assert all(r.ok for r in recs)
-    # one place: the second request waits for the first (200 ms), the third for the second
+    # one place: the second request waits for the first to end (the server holds each 200 ms), the third
+    # for the second
     waits = [r.sent_s - r.scheduled_s for r in recs]
-    assert waits[1] >= 0.18 and waits[2] >= 0.36
+    assert recs[1].sent_s >= recs[0].done_s and recs[2].sent_s >= recs[1].done_s
+    # the second, due with the first, waited at least the first's whole time on the server
+    assert waits[1] >= recs[0].done_s - recs[0].sent_s
+    assert 0 < waits[1] < waits[2]
     assert recs[3].scheduled_s - recs[0].scheduled_s == pytest.approx(0.3)
     assert stats.start_rate(recs, scheduled=True) == pytest.approx(10.0)
 
@@ -214,7 +238,9 @@ def test_max_start_rate_caps_request_starts():
     recs = asyncio.run(go()).records
     sent = sorted(r.sent_s for r in recs)
     assert all(r.ok for r in recs)
-    assert sent[5] - sent[0] >= 0.98  # five starts per one-second window: the sixth waits for the first
+    # five starts per one-second window: the sixth passes the cap more than a second after the first did,
+    # which was no earlier than the first request was due (sent_s is when the request went out, after the cap)
+    assert sent[5] > min(r.scheduled_s for r in recs) + 1.0
     assert all(r.scheduled_s is not None for r in recs)  # the wait is client-side queueing
 
 
@@ -292,9 +318,13 @@ def test_workers_share_a_level_on_one_clock():
     # the workers' times are on the parent's clock: inside the window the parent saw, and each
     # request reached the server after it was sent
     assert all(t0 < r.sent_s < r.first_token_s <= r.done_s < t1 for r in recs)
+    # and the server's own clock (perf_counter in this process) agrees: each request arrived after its
+    # worker sent it and before its first token came back (a worker clock started apart from the
+    # parent's would be off by the second slept above, beyond the 50 ms the server holds a request)
     got = sorted(server.received)[:12]
     sent = sorted(lg.origin + r.sent_s for r in recs)
-    assert all(0 < g - s < 0.5 for s, g in zip(sent, got))
+    first = sorted(lg.origin + r.first_token_s for r in recs)
+    assert all(s < g < f for s, g, f in zip(sent, got, first))
     assert len(seen.done) == 12 + 4  # progress came back for every request
     assert len(again.records) == 4 and all(r.ok for r in again.records)
     assert again.records[3].scheduled_s - again.records[0].scheduled_s == pytest.approx(0.03)
@@ -339,11 +369,17 @@ def test_loop_lag_monitor_sees_a_blocked_loop():
     async def go():
         with LoopLagMonitor() as lag:
             await asyncio.sleep(0.03)
+            t = time.perf_counter()
             time.sleep(0.08)  # the loop is blocked: every timestamp taken now is late
+            blocked = time.perf_counter() - t
             await asyncio.sleep(0.03)
-        return lag.p99_ms()
+        return lag, blocked
 
-    assert asyncio.run(go()) >= 60
+    lag, blocked = asyncio.run(go())
+    # the sample that spans the block wakes at least (block - interval) late, and the p99 of these few
+    # samples (about 7) lies at or above the second largest: the block shows in it
+    assert max(lag.lags_s) >= blocked - lag.interval_s
+    assert lag.p99_ms() >= sorted(lag.lags_s)[-2] * 1000
 
 
 def test_client_limits():

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY
 
 from kvexp.app.compose import compose
-from kvexp.measure.loadgen import arrival_offsets
 from kvexp.backends.pool import ServerPool
+from kvexp.measure.loadgen import arrival_offsets
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import write_job_summary
 from kvexp.results.validate import check_file
@@ -75,7 +74,9 @@ def test_max_start_rate_on_a_closed_loop(llama_server, tmp_path):
     (lv,) = res["levels"]
     assert lv["errors"] == 0 and lv["client_queue_p99_ms"] is not None
     sent = sorted(q["sent_s"] for q in reqs)
-    assert sent[5] - sent[0] >= 0.98  # five starts per second: the sixth waits a second for the first
+    # five starts per second: the sixth passes the cap more than a second after the first did, which was no
+    # earlier than the first request was due (sent_s is when the request went out, after the cap)
+    assert sent[5] > min(q["scheduled_s"] for q in reqs) + 1.0
 
 
 def test_worker_processes_on_the_real_server(llama_server, tmp_path):
@@ -90,23 +91,76 @@ def test_worker_processes_on_the_real_server(llama_server, tmp_path):
     assert len({q["index"] for q in reqs}) == 10
 
 
+class _Streamer:
+    stream_keepalive = True
+
+
+class _Clock:
+    """A run's clock the test drives: every reading advances it STEP_S, so that until()'s accounting sees
+    the same times on any machine, however busy (a real clock also counts the time the process is off
+    its core)."""
+
+    STEP_S = 0.0001
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += self.STEP_S
+        return self.t
+
+
 def test_waiting_for_a_start_yields_at_most_its_share_of_each_second():
-    """until() yields the last stretch before a start instead of trusting a millisecond timer; at 2,000
-    starts a second that would keep a core busy, so it yields at most SPIN_SHARE of each second."""
+    """until() yields the last SPIN_S before a start instead of trusting a millisecond timer; at high start
+    rates that would keep a core busy, so it yields at most SPIN_SHARE of each second, then rests on the
+    timer until the next second begins."""
     import asyncio
 
     from kvexp.measure import loadgen
 
-    class Streamer:
-        stream_keepalive = True
+    async def run() -> tuple[list[bool], float, list[bool], float]:
+        lg = loadgen.LoadGenerator(None, _Streamer())  # type: ignore[arg-type]
+        clock = lg.now = _Clock()  # type: ignore[method-assign]
 
-    async def run() -> loadgen.LoadGenerator:
-        lg = loadgen.LoadGenerator(None, Streamer())  # type: ignore[arg-type]
+        async def starts(n: int) -> list[bool]:
+            yielded = []
+            for _ in range(n):  # each start due SPIN_S from now: the whole wait is the yielded stretch
+                before = clock.t
+                await lg.until(clock.t + loadgen.SPIN_S)
+                yielded.append(clock.t - before >= loadgen.SPIN_S / 2)
+            return yielded
+
+        first = await starts(200)  # about 0.3 s of this second
+        spun_first = lg.spun_s
+        clock.t += 1.0  # the next second
+        return first, spun_first, await starts(3), lg.spun_s
+
+    first, spun_first, later, spun_later = asyncio.run(run())
+    n = first.index(False)
+    assert first == [True] * n + [False] * (200 - n)  # once the share is spent, no start yields in that second
+    # the last start to yield may pass the share by its SPIN_S
+    assert loadgen.SPIN_SHARE <= spun_first <= loadgen.SPIN_SHARE + loadgen.SPIN_S
+    assert n == pytest.approx(loadgen.SPIN_SHARE / loadgen.SPIN_S, abs=0.1 * loadgen.SPIN_SHARE / loadgen.SPIN_S)
+    assert later == [True] * 3 and 0 < spun_later <= 3 * loadgen.SPIN_S  # a new second, a new share
+
+
+def test_overlapping_waits_yield_far_less_than_without_the_share(monkeypatch):
+    """1,900 starts in under a second, each waiter yielding concurrently with its neighbours, on the real
+    clock: with the share they yield a small part of what the same run yields without it (on a busy
+    machine both grow with the time the process is off its core, so one is compared with the other)."""
+    import asyncio
+
+    from kvexp.measure import loadgen
+
+    async def run() -> float:
+        lg = loadgen.LoadGenerator(None, _Streamer())  # type: ignore[arg-type]
         start = lg.now() + 0.01
-        await asyncio.gather(*(lg.until(start + i / 2000) for i in range(1900)))  # under one second
-        return lg
+        await asyncio.gather(*(lg.until(start + i / 2000) for i in range(1900)))
+        return lg.spun_s
 
-    lg = asyncio.run(run())
-    # each waiter checks the budget as it starts yielding: the few that overlap it may pass it by their
-    # SPIN_S each (at 2,000/s about 4 overlap)
-    assert 0 < lg.spun_s <= loadgen.SPIN_SHARE + 8 * loadgen.SPIN_S
+    with monkeypatch.context() as m:
+        m.setattr(loadgen, "SPIN_SHARE", float("inf"))
+        unbounded = asyncio.run(run())
+    spun = asyncio.run(run())
+    print(f"\nyielded {spun:.3f} s with the share, {unbounded:.3f} s without")
+    assert 0 < spun <= unbounded / 2

@@ -14,16 +14,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import TINY
 
-from kvexp.backends.base import BackendError
-from kvexp.backends.process import ServerProcess, free_port
 from kvexp.app.compose import compose
-from kvexp.results.store import load_document
+from kvexp.backends.base import BackendError
 from kvexp.backends.pool import ServerPool
+from kvexp.backends.process import ServerProcess, free_port
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import render_job_summary
+from kvexp.results.store import load_document
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
@@ -118,9 +117,12 @@ def test_a_dead_server_is_not_reused(tmp_path, fake_binary, pool):
 
 
 def test_never_ready(tmp_path, fake_binary, pool):
+    from kvexp.core.config import BackendConfig
+
     t = time.monotonic()
     r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--fault,never_ready]", "backend.ready_timeout_s=1")
-    assert isinstance(err, BackendError) and time.monotonic() - t < 8
+    # the 1 s asked for, not the default it replaces (120 s): ended well before a quarter of that
+    assert isinstance(err, BackendError) and time.monotonic() - t < BackendConfig.ready_timeout_s / 4
     assert r["status"] == "failed" and r["status_reason"].startswith("llamacpp server not ready at http://127.0.0.1:")
     assert r["status_reason"].endswith("/health after 1 s")
     assert "GET /health 127.0.0.1 503" in r["backend"]["log_tail"]
@@ -191,14 +193,17 @@ def test_an_attached_server_that_dies_ends_its_job(tmp_path, pool):
 
 
 def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
-    proc = ServerProcess(["sh", "-c", "trap '' TERM; sleep 30 & sleep 30"], {}, tmp_path / "log", "stubborn")
+    lives_s = 30  # what the group would live for if nothing killed it
+    proc = ServerProcess(["sh", "-c", f"trap '' TERM; sleep {lives_s} & sleep {lives_s}"], {}, tmp_path / "log",
+                         "stubborn")
     proc.start()
     time.sleep(0.2)
-    group = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    root = psutil.Process(proc.pid)  # the group the test started: its shell and the shell's children
+    group = [p for p in [root, *root.children(recursive=True)] if _pgid(p.pid) == proc.pid]
     assert len(group) >= 2
     t = time.monotonic()
     proc.stop(grace_s=0.3)
-    assert time.monotonic() - t < 3
+    assert time.monotonic() - t < lives_s / 3  # SIGKILL after the grace, not the sleeps running out
     assert proc.exit_reason() == "stubborn was killed by SIGKILL"
     time.sleep(0.1)
     assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -221,7 +226,16 @@ def test_a_bursting_stream_is_flagged_as_bursts_not_as_a_client_limit(tmp_path, 
     codes = {w["code"] for w in lv["warnings"]}
     assert lv["status"] == "ok" and lv["delivery"]["bursts"] is True
     assert lv["delivery"]["tokens_per_chunk"] >= 8 and lv["delivery"]["multi_token_chunk_share"] == 1.0
-    assert "bursts" in codes and "client_limited" not in codes and lv["client_limited"] is False
-    assert lv["tpot_p50_ms"] < 1.0 <= 4.0 <= lv["server"]["tpot_p50_ms"]
+    assert "bursts" in codes
+    # no client limit made of the bursts: the level is client-limited only where this run's own loop lag
+    # or CPU says so (a busy machine may), never for the ITL a burst leaves (about 0)
+    from kvexp.metrics.stats import client_limits
+
+    own = bool(client_limits(lv["loop_lag_p99_ms"], None, [lv["client_cpu_util"]]))
+    assert lv["client_limited"] is own and ("client_limited" in codes) is own
+    # the client's TPOT is the delivery's (tokens read together); the server's is its decode gap, which
+    # the client could not see: its first token came only after the server had decoded them all
+    assert lv["tpot_p50_ms"] < lv["server"]["tpot_p50_ms"] / 4
+    assert lv["server"]["tpot_p50_ms"] * (lv["mean_output_tokens"] - 1) <= lv["ttft_p50_ms"]
     burst = next(w for w in lv["warnings"] if w["code"] == "bursts")
     assert burst["values"]["server_tpot_ms"] == lv["server"]["tpot_p50_ms"]

@@ -121,3 +121,21 @@ def test_resume_args_of_a_sweep_folder(tmp_path):
         "    task:\n    - kv=fp16,q8_0\n    - resume=false\n    - scenario.concurrency=[1,2]\n")
     assert resume_args(tmp_path) == ["-m", "hydra.sweep.subdir=${hydra.job.num}", "kv=fp16,q8_0",
                                      "scenario.concurrency=[1,2]", f"hydra.sweep.dir={tmp_path}", "resume=true"]
+
+
+def test_a_resumed_sweep_counts_only_the_jobs_it_ran_in_its_time():
+    from datetime import datetime
+
+    from kvexp.report.summary import sweep_timing, timing_line
+
+    def job(started: str, finished: str, total: float) -> dict:
+        return {"status": "complete", "started_at": started, "finished_at": finished, "backend": {},
+                "timing": {"server_start_s": 1.0, "warmup_s": 1.0, "measure_s": total - 3, "total_s": total}}
+
+    earlier = job("2026-12-01T10:00:00Z", "2026-12-01T10:10:00Z", 600.0)  # measured before the resume
+    now = job("2026-12-02T09:00:05Z", "2026-12-02T09:01:05Z", 60.0)
+    t = sweep_timing([earlier, now], wall_s=70.0, since=datetime(2026, 12, 2, 9, 0, 0, 400000))
+    assert (t["jobs"], t["earlier_jobs"], t["jobs_s"], t["parallel"], t["outside_jobs_s"]) == (1, 1, 60.0, False, 10.0)
+    assert timing_line(t).endswith("; 1 job(s) finished in an earlier run of this folder, not counted")
+    # without knowing when this run began, both count, and 660 s in 70 s of wall time looks parallel
+    assert sweep_timing([earlier, now], wall_s=70.0)["parallel"] is True

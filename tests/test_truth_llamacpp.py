@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY
 
-from kvexp.backends.llamacpp import exact_kv_bytes, slots_usage
 from kvexp.app.compose import compose
+from kvexp.backends.llamacpp import exact_kv_bytes, slots_usage
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 from kvexp.results.validate import check_file
@@ -89,9 +88,15 @@ def test_chat_server_timing_beside_the_client(chat):
         codes = {w["code"] for w in lv["warnings"]}
         if d["bursts"]:  # tokens were read together (on a busy machine the client is not always on a core)
             assert "bursts" in codes and "tpot_disagrees" not in codes
+        # TPOT runs from a request's first token to its last: tokens read together move only those two
+        # ends, each by about a chunk's worth of tokens, so over many chunks it is still the server's (a
+        # busy machine makes bursts of a few tokens; a stream delivered in a few chunks says nothing)
+        gaps = lv["mean_output_tokens"] - 1
+        if d["tokens_per_chunk"] * 20 > gaps:
             continue
-        compared += 1  # one token per chunk: the client's TPOT is the server's
-        assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.05)
+        compared += 1
+        ends = 2 * d["tokens_per_chunk"] / gaps
+        assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.05 + ends)
     assert compared >= 1
 
 
@@ -101,16 +106,33 @@ def test_kv_bytes_are_exact(chat):
     assert any("cells x layers" in s for s in kv["source"])
 
 
-def test_open_loop_is_not_throttled_by_the_client(llama_server, tmp_path):
+def open_loop_is_not_throttled(llama_server, tmp_path: Path, loop_lags) -> None:
+    """20 requests/s, Poisson, on the job's own event loop (client.workers=1, which the test watches):
+    every request starts at its scheduled time, late by no more than the client's own loop was stalled.
+    The client queue p99 target (under 5 ms on quiet cores) is bench/traffic.py's (`--only open`)."""
+    loop_lags.samples.clear()  # this level's only
     res = run(tmp_path, llama_server, "scenario=smoke", "scenario.concurrency=[]", "scenario.rates=[20.0]",
-              "scenario.arrival=poisson", "scenario.requests=60", "backend.parallel=16")
+              "scenario.arrival=poisson", "scenario.requests=60", "backend.parallel=16", "client.workers=1")
     (lv,) = res["levels"]
     assert res["server"]["slots"] == 16 and res["server"]["sources"]["parallel"] == "backend.parallel"
     print(f"\n20 req/s Poisson: achieved {lv['achieved_rate']} of {lv['scheduled_rate']} req/s, "
-          f"client queue p99 {lv['client_queue_p99_ms']} ms")
-    assert lv["achieved_rate"] >= 0.95 * lv["scheduled_rate"]
-    assert lv["client_queue_p99_ms"] < 5.0
-    assert not any(w["code"] == "rate_shortfall" for w in lv["warnings"])
+          f"client queue p99 {lv['client_queue_p99_ms']} ms, loop lag p99 {lv['loop_lag_p99_ms']} ms, "
+          f"max {max(loop_lags.lags, default=0) * 1000:.1f} ms")
+    assert lv["requests"] == 60 and lv["errors"] == 0
+    # a rate that fell short (only a machine too busy to run the client on time makes it: see below) is
+    # said so, and only then
+    from kvexp.metrics.levels import RATE_SHORTFALL
+
+    short = lv["achieved_rate"] < RATE_SHORTFALL * lv["scheduled_rate"]
+    assert any(w["code"] == "rate_shortfall" for w in lv["warnings"]) is short
+    rows = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    mine = [q for q in rows if not q["warmup"]]
+    assert len(mine) == 60 and all(q["sent_s"] >= q["scheduled_s"] - 1e-6 for q in mine)  # none before its time
+    loop_lags.check_sends(mine)
+
+
+def test_open_loop_is_not_throttled_by_the_client(llama_server, tmp_path, loop_lags):
+    open_loop_is_not_throttled(llama_server, tmp_path, loop_lags)
 
 
 def test_open_loop_slots_are_a_stated_default(llama_server, tmp_path):

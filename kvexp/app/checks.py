@@ -21,6 +21,7 @@ from kvexp.backends import REGISTRY, adapter_class
 from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
                                Unsupported, check_kv)
+from kvexp.core import placement
 from kvexp.core.paths import data_dir
 from kvexp.workload import scenario
 
@@ -82,6 +83,7 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None)
              f"scenario.trace: replaying a trace needs token-id prompts, the completions API of a backend with a "
              f"tokenizer endpoint (backend={b.name}, scenario.api={s.api})")
     check_client(cfg.client)
+    placement.plan(cfg)  # client.placement=split where there is nothing to split
     check_known_keys(cfg)
     check_ranges(cfg)
     check_quality(cfg.quality)

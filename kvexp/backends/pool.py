@@ -48,7 +48,7 @@ class ServerPool:
         port = b.port or free_port(b.host)
         argv = backend.launch_argv(port)
         proc = ServerProcess(argv, backend.launch_env(port), log_path, f"{b.name} server", b.stop_grace_s,
-                             unset=backend.launch_env_unset())
+                             unset=backend.launch_env_unset(), cpus=backend.spec.cpus)
         proc.start()
         base = f"http://{_url_host(cfg.backend.host)}:{port}"
         try:

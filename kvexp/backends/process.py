@@ -61,13 +61,15 @@ def tail(path: Path, lines: int = 15) -> str:
 
 class ServerProcess:
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, name: str,
-                 grace_s: float = 10.0, unset: list[str] | tuple[str, ...] = ()):
+                 grace_s: float = 10.0, unset: list[str] | tuple[str, ...] = (),
+                 cpus: Optional[tuple[int, ...]] = None):
         self.argv = argv
         self.env = env
         self.unset = tuple(unset)  # inherited variables the server must not see
         self.log_path = log_path
         self.name = name
         self.grace_s = grace_s  # SIGTERM -> SIGKILL
+        self.cpus = cpus  # None: wherever kvexp may run (kvexp/core/placement.py)
         self.proc: Optional[subprocess.Popen] = None
 
     @property
@@ -81,12 +83,15 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env},
-                start_new_session=True, preexec_fn=launched.preexec(),  # dies with kvexp (kvexp/backends/launched.py)
+                start_new_session=True,  # dies with kvexp, on its CPUs (kvexp/backends/launched.py)
+                preexec_fn=launched.preexec(self.cpus),
             )
             _LIVE.add(self)
             launched.remember(self.proc.pid, self.argv)
         except OSError as e:
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]}: {e.strerror}") from None
+        except subprocess.SubprocessError as e:  # the preexec_fn failed: CPUs this process may not use
+            raise BackendError(f"{self.name}: cannot launch {self.argv[0]} on CPUs {self.cpus}: {e}") from None
         finally:
             log.close()
 

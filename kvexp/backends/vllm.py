@@ -320,11 +320,19 @@ class VLLM(Adapter):
                 argv.append("--enforce-eager")
             argv += list(b.extra_args)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
+        if cpu and self.placement.server_cpus:  # split on the CPU build: its OpenMP threads on the server's CPUs
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, self.placement.server_cpus)))
         if scenario.resets_cache(s):  # /reset_prefix_cache is served in development mode only
             env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
                                env_unset=tuple(k for k in UNSET_ENV if k not in b.env), block_size=block,
                                kv_budget_bytes=budget, gpu_memory_utilization=util)
+
+    def places_own_threads(self) -> Optional[str]:
+        if self.cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in self.b.env:
+            return ("vLLM's CPU build binds its own OpenMP threads and keeps a CPU for its scheduler "
+                    "(VLLM_CPU_OMP_THREADS_BIND=auto)")
+        return None
 
     def unsupported_reason(self) -> Optional[str]:
         """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""

@@ -71,6 +71,12 @@ class EventLoop(StrEnum):
     uvloop = "uvloop"
 
 
+class Placement(StrEnum):
+    auto = "auto"
+    split = "split"
+    shared = "shared"
+
+
 # Upper bounds of what one job can sensibly ask: beyond them a value is a typo, not an experiment.
 MAX_STREAMS = 4096  # concurrent requests of a level (each is a socket and a server slot)
 MAX_TOKENS = 1 << 20  # prompt or output tokens of one request
@@ -225,6 +231,11 @@ class ClientConfig:
     # Event loop of worker processes: auto (uvloop when installed), asyncio or uvloop. uvloop with
     # workers=1 starts one worker process, since the job's own loop is asyncio.
     event_loop: EventLoop = EventLoop.auto
+    # Where a server kvexp launches and the client run on this machine's CPUs (kvexp/core/placement.py):
+    # split pins the server's process group to some CPUs and the client's loop and workers to the others;
+    # shared lets both run anywhere; auto splits when there are 2 or more CPUs, unless the server places
+    # its own threads (vLLM's CPU build).
+    placement: Placement = Placement.auto
 
 
 def highest_concurrency(s: "ScenarioConfig") -> int:

@@ -8,13 +8,17 @@ from pathlib import Path
 from typing import Optional
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's or a Slurm job's share), not the
-    machine's total."""
+def cpu_ids() -> list[int]:
+    """The CPUs this process may run on (its affinity: a container's or a Slurm job's share), in order."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on, not the machine's total."""
+    return len(cpu_ids())
 
 
 def cpu_model() -> Optional[str]:

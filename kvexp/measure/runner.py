@@ -22,7 +22,7 @@ from kvexp.backends.pool import Server, ServerPool
 from kvexp.backends.process import tail
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import ModelArch
-from kvexp.core import machine
+from kvexp.core import machine, placement
 from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label, skips_unsupported
 from kvexp.core.paths import SpaceReserve
 from kvexp.measure.client import ClientOptions, Observer, client_environment, make_session
@@ -168,8 +168,10 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
                                   ready_s=round(server.ready_s, 3),
                                   server_log=str(server.process.log_path))
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
+        res["environment"]["placement"] = backend.placement.to_json(placement.cpus_of(server and server.process.pid))
         job.save()
-        asyncio.run(_measure(job, backend, server, observer, arch))
+        with placement.client_side(backend.placement):  # the server on its CPUs, the client on the others
+            asyncio.run(_measure(job, backend, server, observer, arch))
         if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]

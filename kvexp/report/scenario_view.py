@@ -20,7 +20,8 @@ from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_CO
 
 
 def _slug(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower() or "x"
+    """A file-name stem for a scenario's charts: 100 characters at most (a file name has 255 bytes)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower()[:100].rstrip("-") or "x"
 
 
 def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]

@@ -148,12 +148,19 @@ def _server_key(result: dict[str, Any]) -> Optional[tuple]:
     return tuple("<port>" if i and cmd[i - 1] == "--port" else a for i, a in enumerate(cmd))
 
 
-def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = None) -> dict[str, Any]:
+def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = None,
+                 since: Optional[datetime] = None) -> dict[str, Any]:
     """Where a sweep's time went, from the jobs' own timing (server_start_s, warmup_s, measure_s,
     total_s): server starts (and for how many distinct server configurations), warm-up, measurement,
     the rest of the jobs' time, and what the sweep spent outside its jobs. wall_s is the sweep's wall
-    time when known; otherwise it is taken from the jobs' start and finish stamps (whole seconds)."""
+    time when known; otherwise it is taken from the jobs' start and finish stamps (whole seconds).
+    since (UTC, naive): when this run of the sweep began; a resumed sweep's jobs that finished before
+    it were not run now, and are counted apart (earlier_jobs), not as time spent in this wall time."""
     ran = [r for r in results if r.get("status") != "skipped"]
+    earlier = []
+    if since is not None:
+        earlier = [r for r in ran if (w := _when(r.get("finished_at"))) and w < since.replace(microsecond=0)]
+        ran = [r for r in ran if r not in earlier]
     t = [r.get("timing") or {} for r in ran]
     starts = [x.get("server_start_s") for x in t if x.get("server_start_s")]
     configs = {k for r in ran if (k := _server_key(r)) is not None}
@@ -172,6 +179,7 @@ def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = No
         "other_in_jobs_s": max(0.0, jobs_s - total["server_start_s"] - total["warmup_s"] - total["measure_s"]),
         "jobs_s": jobs_s, "wall_s": wall_s, "parallel": parallel,
         "outside_jobs_s": None if wall_s is None or parallel else max(0.0, wall_s - jobs_s),
+        "earlier_jobs": len(earlier),
     }
     return out
 
@@ -185,8 +193,12 @@ def timing_line(t: dict[str, Any]) -> str:
             f"configuration(s) {s(t['server_start_s'])}, warm-up {s(t['warmup_s'])}, measurement {s(t['measure_s'])}, "
             f"other in jobs {s(t['other_in_jobs_s'])}")
     if t["parallel"]:
-        return line + f"; jobs ran in parallel: {s(t['jobs_s'])} of job time in {s(t['wall_s'])} wall"
-    return line + f", outside jobs {s(t['outside_jobs_s'])}; sweep wall {s(t['wall_s'])}"
+        line += f"; jobs ran in parallel: {s(t['jobs_s'])} of job time in {s(t['wall_s'])} wall"
+    else:
+        line += f", outside jobs {s(t['outside_jobs_s'])}; sweep wall {s(t['wall_s'])}"
+    if t.get("earlier_jobs"):
+        line += f"; {t['earlier_jobs']} job(s) finished in an earlier run of this folder, not counted"
+    return line
 
 
 def job_statuses(sweep_dir: Path) -> dict[str, str]:
@@ -204,15 +216,16 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
     return out
 
 
-def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None) -> list[Path]:
-    """The sweep's aggregate JSON, its Markdown summary and the full report."""
+def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
+                        since: Optional[datetime] = None) -> list[Path]:
+    """The sweep's aggregate JSON, its Markdown summary and the full report (wall_s, since: sweep_timing)."""
     agg = collect([sweep_dir])
     written = []
     path = sweep_dir / "sweep.json"
     write_json(path, agg, "aggregate")
     written.append(path)
     path = sweep_dir / "summary.md"
-    timing = sweep_timing(job_results(sweep_dir), wall_s)
+    timing = sweep_timing(job_results(sweep_dir), wall_s, since)
     path.write_text(_env().get_template("sweep.md.j2").render(a=agg, runs=run_tables(agg), timing=timing))
     written.append(path)
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not

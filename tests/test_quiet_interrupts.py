@@ -1,0 +1,163 @@
+"""Ctrl-C during `python -m kvexp report` and `python -m kvexp install`: one line on stderr, no traceback, exit
+status 130, as for a run; an install cut short leaves no half-written file where kvexp looks for a whole
+one, and no step of it running."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT
+
+from kvexp.app.cli import main
+
+
+def this_tree() -> dict[str, str]:
+    """The environment for `python -m kvexp` from this checkout (whatever another install put on the path)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def wait_until(done, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    """A hang guard only: wait for done() while proc runs."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, f"kvexp ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.02)
+
+
+def interrupt(proc: subprocess.Popen, whole_group: bool) -> tuple[int, str, str]:
+    """SIGINT as a terminal's Ctrl-C sends it (to the whole foreground group) or to kvexp alone."""
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+# ---------------------------------------------------------------------------------------------- report
+@pytest.fixture(scope="module")
+def big_aggregate(tmp_path_factory) -> Path:
+    """The reference sweep's runs repeated to 100 (labels varied): a report of some seconds to lay out."""
+    agg = json.loads((FIXTURES / "rtx5070ti-qwen2.5-7b.json").read_text())
+    base, runs = agg["runs"], []
+    for i in range(100):
+        run = copy.deepcopy(base[i % len(base)])
+        run["label"] = f"{run['label']}-v{i // len(base)}"
+        runs.append(run)
+    agg["runs"] = runs
+    path = tmp_path_factory.mktemp("big") / "sweep.json"
+    path.write_text(json.dumps(agg))
+    return path
+
+
+@pytest.mark.parametrize("stage", ["reading", "pdf"])
+def test_ctrl_c_during_report_prints_one_line(big_aggregate, tmp_path, stage):
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "kvexp", "report", str(big_aggregate), "--out", str(out)],
+                            cwd=tmp_path, env=this_tree(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        if stage == "reading":  # the input read, the output folder made
+            wait_until(out.is_dir, proc, "output folder")
+        else:  # Markdown and HTML written: the PDF is being laid out (in worker processes on 2+ CPUs)
+            wait_until((out / "report.html").is_file, proc, "report.html")
+        rc, stdout, stderr = interrupt(proc, whole_group=True)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (rc, stderr) == (130, "kvexp report: interrupted by SIGINT\n"), stderr[-3000:]
+    assert "Traceback" not in stdout and not (out / "report.pdf").exists()
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # no half-written file
+
+
+# --------------------------------------------------------------------------------------------- install
+@pytest.fixture
+def slow_pip(tmp_path) -> dict[str, str]:
+    """An environment where `python -m pip` (every download step of an install) is a stand-in that notes
+    its pid and sleeps; kvexp's cache and temporary folders under tmp_path."""
+    fake = tmp_path / "fake" / "pip"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("import os, time\n"
+                                      "open(os.environ['FAKE_PIP_PID'], 'w').write(str(os.getpid()))\n"
+                                      "time.sleep(600)\n")
+    for d in ("cache", "tmp"):
+        (tmp_path / d).mkdir()
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)]),
+            "KVEXP_CACHE": str(tmp_path / "cache"),
+            "TMPDIR": str(tmp_path / "tmp"), "FAKE_PIP_PID": str(tmp_path / "pip.pid")}
+
+
+@pytest.mark.parametrize("whole_group", [True, False], ids=["terminal-ctrl-c", "kvexp-alone"])
+def test_ctrl_c_during_install_prints_one_line_and_keeps_nothing_half_done(tmp_path, slow_pip, whole_group):
+    proc = subprocess.Popen([sys.executable, "-m", "kvexp", "install"], cwd=tmp_path, env=slow_pip,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pid_file = tmp_path / "pip.pid"
+    try:
+        wait_until(lambda: pid_file.is_file() and pid_file.read_text(), proc, "the download step")
+        rc, stdout, stderr = interrupt(proc, whole_group)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (rc, stderr) == (130, "kvexp install: interrupted by SIGINT; nothing half-installed is kept\n"), stderr
+    assert "Traceback" not in stdout
+    assert "kvexp install: downloading the llama.cpp sources" in stdout  # it was inside the step
+    pip = int(pid_file.read_text())
+    assert not Path(f"/proc/{pip}").exists() or "zombie" in Path(f"/proc/{pip}/status").read_text()  # the step ended
+    assert not list((tmp_path / "tmp").iterdir())  # the build folder removed
+    assert not (tmp_path / "cache" / "bin").exists()  # no program, whole or half
+
+
+def test_an_install_cut_short_removes_its_half_written_files(tmp_path, monkeypatch, capsys):
+    """In this process: SIGINT while a built program is being copied (its `.tmp` half written) and while a
+    new vLLM venv is being filled; a venv that already held vLLM is kept."""
+    from kvexp.assets import install
+    from kvexp.backends import REGISTRY
+
+    monkeypatch.setenv("KVEXP_CACHE", str(tmp_path / "cache"))
+    old = signal.getsignal(signal.SIGINT)
+
+    def copying(cls, force=False):
+        half = install.cached_llama_tool("llama-server").with_suffix(".tmp")
+        half.parent.mkdir(parents=True)
+        half.write_bytes(b"\x7fELF half")
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the signal lands here
+        raise AssertionError("SIGINT did not interrupt the install")
+
+    monkeypatch.setattr(REGISTRY["llamacpp"], "install", classmethod(copying))
+    assert main(["install", "llamacpp"]) == 130
+    assert capsys.readouterr().err == "kvexp install: interrupted by SIGINT; nothing half-installed is kept\n"
+    assert not list((tmp_path / "cache" / "bin").iterdir())
+    assert signal.getsignal(signal.SIGINT) is old  # handlers restored
+
+    venv = install.vllm_venv()
+
+    def filling(cls, force=False):
+        (venv / "bin").mkdir(parents=True, exist_ok=True)
+        (venv / "bin" / "python").write_text("")
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        raise AssertionError("SIGINT did not interrupt the install")
+
+    monkeypatch.setattr(REGISTRY["vllm"], "install", classmethod(filling))
+    assert main(["install", "vllm"]) == 130
+    assert not venv.exists()  # it held no vLLM before: all of it was this install's, half done
+    capsys.readouterr()
+    held = venv / "lib" / "python3.11" / "site-packages" / "vllm" / "__init__.py"
+    held.parent.mkdir(parents=True)
+    held.write_text("")
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").write_text("")
+    assert install.vllm_python() is not None
+    assert main(["install", "vllm"]) == 130
+    assert held.is_file()  # kept as found
