@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -33,6 +34,14 @@ def setup_hydra() -> None:
     if not OmegaConf.has_resolver("safe"):
         OmegaConf.register_new_resolver("safe", safe_name)
     register_configs()
+    hide_schema_notice()
+
+
+def hide_schema_notice() -> None:
+    """Hide Hydra's notice that conf/hydra/launcher/submitit_slurm.yaml is checked against the launcher's
+    schema of the same name (deprecated in Hydra 1.1, harmless in 1.3); every other warning still shows."""
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore "
+                            "schema with the same name", category=UserWarning)
 
 
 # ---------------------------------------------------------------- composing and checking configs

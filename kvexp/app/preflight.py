@@ -167,7 +167,7 @@ def check_resume(folder: Path, multirun: bool, overrides: list[str],
     """A resume must ask for exactly the spec the folder was measured with: the same task overrides
     and, job by job, the same config hash. Otherwise nothing is measured or written, and the message
     says how to measure the new spec in a new folder."""
-    task = [o for o in overrides if not o.startswith("hydra.")]
+    task = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]  # Hydra's own: not the spec
     saved = saved_task_overrides(folder, multirun)
     results = existing_results(folder, multirun)
     new = {job_label(cfg): spec_hash(cfg) for _, cfg in jobs}

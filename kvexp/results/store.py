@@ -75,13 +75,14 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 def scheduler() -> dict[str, Any] | None:
     """The batch job this run is, from the scheduler's environment: Slurm's job id, and for a job array (as
     submitit submits a sweep) the array's job id and this job's task, so `squeue`/`sacct -j` find it
-    (`<array_job_id>_<array_task_id>`); None outside a scheduler."""
+    (`<array_job_id>_<array_task_id>`), and the node it ran on; None outside a scheduler."""
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
         return None
     task = os.environ.get("SLURM_ARRAY_TASK_ID", "")
     return {"kind": "slurm", "job_id": job_id, "array_job_id": os.environ.get("SLURM_ARRAY_JOB_ID") or None,
-            "array_task_id": int(task) if task.isdigit() else None}
+            "array_task_id": int(task) if task.isdigit() else None,
+            "node": os.environ.get("SLURMD_NODENAME") or None}
 
 
 def write_json(path: Path, doc: dict[str, Any], kind: str) -> None:

@@ -1,0 +1,1 @@
+"""kvexp's Hydra launcher plugin (found by Hydra in the hydra_plugins namespace package): `hydra/launcher=kvexp_slurm`."""

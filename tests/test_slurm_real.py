@@ -1,0 +1,218 @@
+"""Sweeps through Slurm on a real one-node cluster on loopback (Debian's slurm-wlm, slurmdbd, munge and
+mariadb-server; tests/slurm_cluster.py starts and stops it) with the real llama-server and the tiny model:
+two jobs through `hydra/launcher=submitit_slurm` that complete, each result recording its Slurm job id and
+node, and the sweep's report; then a sweep through `hydra/launcher=kvexp_slurm` with one job cancelled with
+scancel while it measures: the sweep says so in one line, is still reported and fails, no server of that
+job is left, and the other job's result is whole; `kvexp resume` then runs only the cancelled job again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import slurm_cluster
+from conftest import with_tiny
+
+from kvexp.results.validate import check_file
+
+pytestmark = pytest.mark.slurm
+
+# what one small node grants a job: no GPU (no gres), one CPU, 1 GB, ten minutes
+RESOURCES = [f"hydra.launcher.partition={slurm_cluster.PARTITION}", "hydra.launcher.gpus_per_node=null",
+             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10"]
+NOTICE = "is validated against ConfigStore schema"  # Hydra's schema-matching deprecation notice
+# a scenario that measures long enough to be cancelled while it does, whatever the machine's speed: one
+# open-loop level of 48 requests at 4 per second (12 s), from a test config folder
+SLOW = """\
+defaults:
+  - scenario_schema
+  - _self_
+name: slow
+prompt_tokens: 32
+max_tokens: 16
+rates: [4]
+requests: 48
+warmup_requests: 1
+"""
+SLOW_LABEL = "llamacpp-tiny-fp16-slow"
+WAIT_S = 180  # a sweep of the tiny model; the limit only stops a hung test
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    gone = slurm_cluster.missing()
+    if gone or os.geteuid() != 0:
+        why = (f"{', '.join(gone)} missing (apt-get install {slurm_cluster.PACKAGES})" if gone
+               else "the one-node Slurm cluster runs its daemons as root")
+        if os.environ.get("CI"):
+            pytest.fail(f"Slurm test cluster in CI: {why}; .ci/run must install them")
+        pytest.skip(f"Slurm test cluster: {why}")
+    with slurm_cluster.SlurmCluster() as c:
+        yield c
+
+
+def kvexp(cluster, args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_CONF": str(cluster.conf)}
+    return subprocess.Popen([sys.executable, "-m", "kvexp", *with_tiny(args)], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def sweep_dir(cwd: Path) -> Path:
+    (d,) = (cwd / "outputs" / "sweeps").iterdir()
+    return d
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"the sweep did not end:\n{err[-3000:]}")
+    return p.returncode, out, err
+
+
+def result(d: Path) -> dict:
+    assert check_file(d / "result.json") == [], d
+    return json.loads((d / "result.json").read_text())
+
+
+# ---------------------------------------------------------------- two jobs that complete
+@pytest.fixture(scope="module")
+def sweep(cluster, llama_server, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("slurm_sweep")
+    p = kvexp(cluster, ["-m", "kv=fp16,q8_0", f"backend.binary={llama_server}", "hydra/launcher=submitit_slurm",
+                        *RESOURCES], cwd)
+    rc, out, err = finish(p)
+    assert rc == 0, err[-3000:]
+    return sweep_dir(cwd), out, err
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_runs_as_slurm_jobs_and_each_result_records_its_job_id(cluster, sweep):
+    d, out, err = sweep
+    jobs = sorted(d.glob("*/result.json"))
+    assert [p.parent.name for p in jobs] == ["0_llamacpp-tiny-fp16-smoke", "1_llamacpp-tiny-q8_0-smoke"]
+    scheds = []
+    for path in jobs:
+        res = result(path.parent)
+        assert res["status"] == "complete"
+        scheds.append(res["environment"]["scheduler"])
+    assert all(s["kind"] == "slurm" and s["node"] == slurm_cluster.NODE for s in scheds), scheds
+    assert sorted(s["array_task_id"] for s in scheds) == [0, 1]  # submitit submits a sweep as one job array
+    (array,) = {s["array_job_id"] for s in scheds}
+    assert len({s["job_id"] for s in scheds}) == 2
+    # Slurm's own accounting knows both, by the ids the results recorded, as completed
+    assert cluster.accounting(array) == {(f"{array}_{s['array_task_id']}", s["job_id"], "COMPLETED") for s in scheds}
+
+
+@pytest.mark.timeout(400)
+def test_the_slurm_sweep_is_gathered_into_its_report(sweep):
+    d, out, err = sweep
+    assert check_file(d / "sweep.json") == []
+    agg = json.loads((d / "sweep.json").read_text())
+    assert [(r["label"], r["status"]) for r in agg["runs"]] == [
+        ("llamacpp-tiny-fp16-smoke", "complete"), ("llamacpp-tiny-q8_0-smoke", "complete")]
+    assert agg["environment"]["scheduler"]["kind"] == "slurm"
+    assert "| llamacpp-tiny-q8_0-smoke |" in (d / "summary.md").read_text()
+    assert (d / "report" / "report.html").is_file() and (d / "report" / "report.md").is_file()
+    assert "sweep: 2 job(s): 2 server start(s)" in out + err
+
+
+@pytest.mark.timeout(400)
+def test_the_slurm_sweep_prints_no_deprecation_notice(sweep):
+    d, out, err = sweep
+    assert NOTICE not in out + err
+
+
+# ---------------------------------------------------------------- one job cancelled while it measures
+@pytest.fixture(scope="module")
+def cancelled(cluster, llama_server, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("slurm_cancel")
+    conf = cwd / "conf"
+    (conf / "scenario").mkdir(parents=True)
+    (conf / "scenario" / "slow.yaml").write_text(SLOW)
+    p = kvexp(cluster, ["-m", "scenario=smoke,slow", f"hydra.searchpath=[file://{conf}]",
+                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", *RESOURCES], cwd)
+    try:
+        sched, end = None, time.monotonic() + WAIT_S
+        while p.poll() is None and time.monotonic() < end:  # until the slow job measures, on its own server
+            log = next(cwd.glob(f"outputs/sweeps/*/1_{SLOW_LABEL}/kvexp.log"), None)
+            if log and f"{SLOW_LABEL}: level 4:" in log.read_text(errors="replace"):
+                sched = json.loads((log.parent / "result.json").read_text())["environment"]["scheduler"]
+                break
+            time.sleep(0.5)
+        assert sched is not None, "the slow job never started measuring"
+        servers = [q for q in cluster.job_processes(sched["job_id"]) if q.name().startswith("llama-server")]
+        job = f"{sched['array_job_id']}_{sched['array_task_id']}"
+        assert cluster.jobs().get(job) == "RUNNING"
+        cancel = cluster.run("scancel", job)
+        assert cancel.returncode == 0, cancel.stderr
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+    rc, out, err = finish(p)
+    return {"dir": sweep_dir(cwd), "rc": rc, "out": out, "err": err, "job": job, "sched": sched,
+            "servers": servers, "cwd": cwd}
+
+
+@pytest.mark.timeout(400)
+def test_a_cancelled_job_leaves_no_server_and_the_other_result_whole(cluster, cancelled):
+    assert cancelled["servers"], "the slow job's llama-server was not seen"
+    alive = [s for s in cancelled["servers"] if s.is_running() and s.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"servers of the cancelled job still running: {alive}"
+    assert not [q for q in cluster.job_processes(cancelled["sched"]["job_id"])]  # nothing of that job at all
+    (row,) = [r for r in cluster.accounting(cancelled["job"]) if r[0] == cancelled["job"]]
+    assert row[1] == cancelled["sched"]["job_id"] and row[2].startswith("CANCELLED"), row
+    other = result(cancelled["dir"] / "0_llamacpp-tiny-fp16-smoke")
+    assert other["status"] == "complete" and len(other["levels"]) == 2
+    assert other["environment"]["scheduler"]["array_job_id"] == cancelled["sched"]["array_job_id"]
+    assert check_file(cancelled["dir"] / "0_llamacpp-tiny-fp16-smoke" / "requests.jsonl") == []
+
+
+@pytest.mark.timeout(400)
+def test_a_cancelled_job_fails_the_sweep_with_one_line_naming_it(cancelled):
+    text = cancelled["out"] + cancelled["err"]
+    assert cancelled["rc"] == 1, text[-3000:]  # docs/cluster.md: a job that left no result fails the sweep
+    assert "Traceback" not in text, text[-3000:]
+    named = [ln for ln in text.splitlines() if SLOW_LABEL in ln and "cancel" in ln.lower()]
+    assert named and cancelled["job"] in named[0], text[-3000:]
+    assert NOTICE not in text
+    d = cancelled["dir"]
+    slow = result(d / f"1_{SLOW_LABEL}")  # the launcher recorded Slurm's verdict in the job's own result
+    assert slow["status"] == "failed" and slow["status_reason"].startswith(f"cancelled (Slurm job {cancelled['job']}")
+    statuses = {r["label"]: r["status"] for r in json.loads((d / "sweep.json").read_text())["runs"]}
+    assert statuses == {"llamacpp-tiny-fp16-smoke": "complete", SLOW_LABEL: "failed"}
+    assert (d / "summary.md").is_file() and (d / "report" / "report.html").is_file()
+
+
+# ---------------------------------------------------------------- the cancelled sweep resumed
+@pytest.fixture(scope="module")
+def resumed(cluster, cancelled):
+    d = cancelled["dir"]
+    before = result(d / "0_llamacpp-tiny-fp16-smoke")
+    rc, out, err = finish(kvexp(cluster, ["resume", str(d)], cancelled["cwd"]))
+    return {"rc": rc, "out": out, "err": err, "before": before}
+
+
+@pytest.mark.timeout(400)
+def test_resume_runs_only_the_cancelled_job_again(cancelled, resumed):
+    text = resumed["out"] + resumed["err"]
+    assert resumed["rc"] == 0, text[-3000:]
+    assert "hydra/launcher=kvexp_slurm" in text and NOTICE not in text
+    d = cancelled["dir"]
+    assert result(d / "0_llamacpp-tiny-fp16-smoke") == resumed["before"]  # kept as it was, not measured again
+    slow = result(d / f"1_{SLOW_LABEL}")
+    assert slow["status"] == "complete" and len(slow["levels"]) == 1 and slow["resumed_at"]
+    sched = slow["environment"]["scheduler"]
+    assert sched["job_id"] != cancelled["sched"]["job_id"] and sched["node"] == slurm_cluster.NODE
+    assert check_file(d / f"1_{SLOW_LABEL}" / "requests.jsonl") == []
+    statuses = {r["label"]: r["status"] for r in json.loads((d / "sweep.json").read_text())["runs"]}
+    assert statuses == {"llamacpp-tiny-fp16-smoke": "complete", SLOW_LABEL: "complete"}
