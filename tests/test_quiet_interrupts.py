@@ -161,3 +161,21 @@ def test_an_install_cut_short_removes_its_half_written_files(tmp_path, monkeypat
     assert install.vllm_python() is not None
     assert main(["install", "vllm"]) == 130
     assert held.is_file()  # kept as found
+
+
+@pytest.mark.parametrize("after_s", [0.5, None])  # while Python loads kvexp (about 1 s), or once it validates
+def test_ctrl_c_during_validate_or_while_loading_prints_one_line(big_aggregate, tmp_path, after_s):
+    files = [tmp_path / f"copy{i}.json" for i in range(200)]
+    for f in files:
+        f.write_bytes(big_aggregate.read_bytes())
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "kvexp", "validate", *map(str, files)], stdout=sink,
+                                stderr=subprocess.PIPE, text=True, env={**this_tree(), "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+        if after_s is None:
+            wait_until(lambda: ": valid" in out.read_text(), proc, "a first file validated")
+        else:
+            time.sleep(after_s)
+        rc, _, err = interrupt(proc, whole_group=True)
+    assert rc == 130 and err in ("kvexp: interrupted by SIGINT\n", "kvexp validate: interrupted by SIGINT\n"), err

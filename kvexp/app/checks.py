@@ -18,11 +18,12 @@ from kvexp.app.bounds import (MAX_BLOCK, MAX_CHUNKS, MAX_DEPTHS, MAX_GIB, MAX_KV
                               MAX_POLL_S, MAX_PROMPTS, MAX_SLO_MS, MAX_THREADS, MAX_TOP_K, MAX_WAIT_S, MAX_WEIGHT_BITS,
                               in_range as _in, num as _num, require as _require)
 from kvexp.backends import REGISTRY, adapter_class
+from kvexp.core import placement
 from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
-                               Unsupported, check_kv)
-from kvexp.core import placement
+                               Unsupported, check_kv, job_label)
 from kvexp.core.paths import data_dir
+from kvexp.results.guards import MAX_NAME_CHARS
 from kvexp.workload import scenario
 
 
@@ -83,6 +84,9 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None)
              f"scenario.trace: replaying a trace needs token-id prompts, the completions API of a backend with a "
              f"tokenizer endpoint (backend={b.name}, scenario.api={s.api})")
     check_client(cfg.client)
+    label = job_label(cfg)  # every result, table and chart names the job by it; readers refuse longer ones
+    _require(len(label) <= MAX_NAME_CHARS, f"the job's label is {len(label):,} characters (label, else "
+             f"backend-model-kv-scenario), more than the {MAX_NAME_CHARS:,} a name may have: give a shorter label=")
     placement.plan(cfg)  # client.placement=split where there is nothing to split
     check_known_keys(cfg)
     check_ranges(cfg)

@@ -546,7 +546,10 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
-        return SUBCOMMANDS[argv[0]](argv[1:])
+        try:
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        except KeyboardInterrupt:  # Ctrl-C in validate, results, plan, ...: one line (report and install say more)
+            return interrupted(f"kvexp {argv[0]}: interrupted by SIGINT", "SIGINT")
     if "--version" in argv:
         from kvexp.core import __version__
 
