@@ -197,3 +197,8 @@ def test_a_check_that_stumbles_over_inf_names_the_setting(monkeypatch):
     cfg = compose([*TINY, "scenario.search_min_growth=inf"])
     with pytest.raises(ConfigError, match=r"^scenario\.search_min_growth=inf: not a finite number"):
         checks.check_config(cfg, kv_choices())
+
+
+def test_plan_refuses_a_number_that_is_not_finite(capsys):
+    assert kvexp_main("plan", "model.params_b=inf") == 1
+    assert capsys.readouterr().err == "kvexp: model.params_b=inf: not a finite number; allowed values are finite numbers\n"

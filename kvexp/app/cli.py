@@ -416,8 +416,11 @@ def cmd_plan(argv: list[str]) -> int:
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
         from kvexp.workload import scenario
 
-        for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows)
+        from kvexp.app.bounds import check_finite
+
+        for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows); no inf or nan anywhere
             scenario.check_scenario(cfg.scenario)
+            check_finite(cfg)
     except (ConfigError, ValueError) as e:
         print(f"kvexp: {e}", file=sys.stderr)
         return 1
