@@ -335,6 +335,21 @@ def test_disk_full_mid_job_on_a_tiny_tmpfs(fake, tmp_path):
         subprocess.run(["umount", str(mnt)])
 
 
+def test_a_disk_already_full_is_refused_before_anything_starts(tmp_path):
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mnt / "fill").write_bytes(bytes(180 << 10))  # less left than Hydra's saved config and a first result need
+        r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"hydra.run.dir={mnt / 'run'}"],
+                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1
+        assert r.stderr == f"kvexp: {mnt / 'run'}: cannot write results here: No space left on device\n", r.stderr
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
 # ---------------------------------------------------------------- 9. Markdown escapes user strings
 def test_markdown_outputs_escape_user_strings(fake, tmp_path):
     folder = tmp_path / "s"

@@ -90,13 +90,20 @@ def unlock_all() -> None:
         del _HELD[folder]
 
 
+PROBE_BYTES = 64 << 10
+
+
 def ensure_writable(folder: Path) -> None:
-    """Make the folder (and its parents) and prove a file can be written there, or one line saying why."""
+    """Make the folder (and its parents) and prove PROBE_BYTES can be written there (Hydra's saved config
+    and a first result: a disk already full fails here, not in Hydra's own writes), or one line saying why."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvexp-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            with os.fdopen(fd, "wb") as f:  # a short write goes on until the disk says it is full
+                f.write(bytes(PROBE_BYTES))
+        finally:
+            os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"{folder}: cannot write results here: {e.strerror or e}") from None
 
