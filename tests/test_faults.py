@@ -335,19 +335,32 @@ def test_disk_full_mid_job_on_a_tiny_tmpfs(fake, tmp_path):
         subprocess.run(["umount", str(mnt)])
 
 
-def test_a_disk_already_full_is_refused_before_anything_starts(tmp_path):
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 200 KiB tmpfs with 20 KiB left: less than Hydra's saved config and a first result need."""
     mnt = tmp_path / "full"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        (mnt / "fill").write_bytes(bytes(180 << 10))  # less left than Hydra's saved config and a first result need
-        r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"hydra.run.dir={mnt / 'run'}"],
-                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 1
-        assert r.stderr == f"kvexp: {mnt / 'run'}: cannot write results here: No space left on device\n", r.stderr
+        (mnt / "fill").write_bytes(bytes(180 << 10))
+        yield mnt
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+def test_a_disk_already_full_is_refused_before_anything_starts(full_disk):
+    r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"hydra.run.dir={full_disk / 'run'}"],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr == f"kvexp: {full_disk / 'run'}: cannot write results here: No space left on device\n", r.stderr
+
+
+def test_a_report_onto_a_full_disk_says_so_in_one_line(full_disk, good_run, capsys):
+    assert kvexp_main("report", str(good_run), "--out", str(full_disk / "rep")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvexp: report: cannot write ") and err.endswith(": No space left on device\n"), err
+    assert err.count("\n") == 1
 
 
 # ---------------------------------------------------------------- 9. Markdown escapes user strings

@@ -396,6 +396,9 @@ def _report(args: argparse.Namespace) -> int:
     except ValidationFailed as e:  # what the report would write does not hold to its schema: name the field
         print(f"kvexp: report: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk, a folder taken away while it writes
+        print(f"kvexp: report: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     for kind, path in written.items():
         print(f"{kind}: {path}")
     for problem in getattr(written, "problems", []):
