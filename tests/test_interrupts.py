@@ -171,7 +171,10 @@ def test_resume_measures_exactly_what_is_missing(interrupted):
     assert check_file(sweep / "sweep.json") == []
 
 
-def test_sigterm_mid_level(tmp_path, env):
+@pytest.mark.parametrize("then_ctrl_c", [False, True], ids=["sigterm", "sigterm-then-sigint"])
+def test_sigterm_mid_level(tmp_path, env, then_ctrl_c):
+    """SIGTERM ends the run at once; Ctrl-C pressed again and again while it stops changes nothing: the
+    first signal decides the line and the exit status."""
     fake = fake_openai.wrapper(tmp_path)
     stall_s = 300  # how long the hung request would wait for its next byte (the server still answers /health)
     k = Kvexp([f"backend.binary={fake}", "backend.extra_args=[--fault,stall,--fault-after,3]",
@@ -180,7 +183,12 @@ def test_sigterm_mid_level(tmp_path, env):
     time.sleep(0.3)  # the third request now hangs
     t = time.monotonic()
     k.proc.send_signal(signal.SIGTERM)
-    assert k.finish() == 143
+    time.sleep(0.05 * then_ctrl_c)  # Python runs the handlers of signals pending together in signal-number order
+    while then_ctrl_c and k.proc.poll() is None:
+        k.proc.send_signal(signal.SIGINT)
+        time.sleep(0.005)
+    assert k.finish() == 143, k.output[-3000:]
+    assert k.output.count("interrupted by") == 1 and "Traceback" not in k.output and "SIGINT" not in k.output
     assert time.monotonic() - t < stall_s / 10  # ended at once, not when the hung request timed out
     assert len(k.seen) == 1 and not k.survivors()
     (run,) = (tmp_path / "outputs" / "runs").iterdir()

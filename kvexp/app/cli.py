@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,8 +111,7 @@ def run_experiment(argv: list[str]) -> int:
         from kvexp.app.preflight import unlock_all
 
         unlock_all()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        process.restore_signals(handlers)
     failed = _failed_jobs(sweep)
     if failed:
         print(f"kvexp: {len(failed)} job(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -570,4 +569,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    from kvexp.backends.process import repeats_ignored
+
+    if repeats_ignored():  # a signal ended the command: Python's own exit would put back the default
+        logging.shutdown()  # handlers, and a Ctrl-C pressed again then would kill kvexp with SIGINT's status
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

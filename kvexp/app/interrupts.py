@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvexp.assets import install
-from kvexp.backends.process import HANDLED, Interrupted
+from kvexp.backends.process import HANDLED, Interrupted, ignore_repeats, repeats_ignored
 
 
 def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Callable[[], str]] = None) -> int:
@@ -25,8 +25,7 @@ def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Ca
     def on_signal(signum: int, frame: object) -> None:
         if os.getpid() != me:  # a forked worker: its parent has the same signal and ends the work
             os._exit(128 + signum)
-        for sig in HANDLED:  # a repeat while unwinding must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_repeats()
         raise Interrupted(signal.Signals(signum).name)
 
     handlers = {sig: signal.signal(sig, on_signal) for sig in HANDLED}
@@ -36,8 +35,9 @@ def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Ca
         name = str(e) if str(e) in signal.Signals.__members__ else "SIGINT"
         return interrupted(f"kvexp {command}: interrupted by {name}{cleanup() if cleanup else ''}", name)
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        if not repeats_ignored():  # else a repeat stays ignored while kvexp leaves
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 def interrupted(line: str, name: str) -> int:

@@ -171,11 +171,27 @@ def stop_all(grace_s: float = INTERRUPT_GRACE_S) -> None:
         s.stop(grace_s)
 
 
+def _repeat(signum: int, frame: object) -> None:
+    """A signal after the one that ends kvexp: nothing (not SIG_IGN: a signal already pending when the
+    handler changes would then raise "ignored due to race condition" in the middle of the stop)."""
+
+
+def repeats_ignored() -> bool:
+    """Whether a signal has ended this command (ignore_repeats ran)."""
+    return signal.getsignal(signal.SIGINT) is _repeat
+
+
+def ignore_repeats() -> None:
+    """From now on SIGINT, SIGTERM and SIGHUP do nothing: the first one decides the line and the exit status,
+    and a repeat must not cut the stop or the cleanup short."""
+    for sig in HANDLED:
+        signal.signal(sig, _repeat)
+
+
 def _on_signal(signum: int, frame: object) -> None:
     global _interrupted
     _interrupted = True
-    for sig in HANDLED:  # a repeat while stopping must not cut the stop short
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_repeats()
     # the exception lands in whichever asyncio task runs; the tasks it cuts short would each log an error
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     raise Interrupted(signal.Signals(signum).name)
@@ -185,6 +201,14 @@ def raise_on_signals() -> dict[int, object]:
     """SIGINT, SIGTERM and SIGHUP raise Interrupted in the main thread from now on; returns the handlers they
     replace (for signal.signal, to restore them)."""
     return {sig: signal.signal(sig, _on_signal) for sig in HANDLED}
+
+
+def restore_signals(handlers: dict[int, object]) -> None:
+    """Put back the handlers raise_on_signals replaced, unless a signal has ended the run: then a second
+    one (Ctrl-C after a SIGTERM) stays ignored while kvexp leaves, and the first decides the exit status."""
+    if not _interrupted:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 atexit.register(stop_all)
