@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,18 @@ def test_resume_of_a_finished_single_run(fake, tmp_path, capsys):
     assert kvexp("resume", str(run)) == 0
     assert capsys.readouterr().err.strip() == f"kvexp: nothing to resume in {run}: its job is finished (1 complete)"
     assert snapshot(run) == before
+
+    # a report cut short (Ctrl-C while it renders): the resume renders it, and measures nothing
+    (run / "report" / "comparison.csv").unlink()
+    assert kvexp("resume", str(run)) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[0] == f"kvexp: nothing to resume in {run}: its job is finished (1 complete)"
+    assert re.fullmatch(rf"kvexp: its report was missing or older than its results; wrote \d+ files in "
+                        rf"{re.escape(str(run / 'report'))}", err.strip().splitlines()[1]), err
+    assert len(err.strip().splitlines()) == 2 and "starting" not in out + err
+    assert (run / "report" / "comparison.csv").is_file()
+    assert {p: v for p, v in snapshot(run).items() if "report" not in str(p)} == \
+        {p: v for p, v in before.items() if "report" not in str(p)}
 
 
 # ---------------------------------------------------------------- 3. validate takes folders

@@ -314,9 +314,31 @@ def cmd_resume(argv: list[str]) -> int:
     done = _finished(args.folder, run_argv)
     if done:
         print(f"kvexp: nothing to resume in {args.folder}: {done}", file=sys.stderr)
-        return 0
+        return _finish_report(args.folder, "-m" in run_argv)
     print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
     return run_experiment(run_argv)
+
+
+def _finish_report(folder: Path, multirun: bool) -> int:
+    """Render the report of a finished run or sweep again when it is missing or older than its results (a
+    signal cut its rendering short); exit status 1 when that fails."""
+    from kvexp.app.interrupts import quiet_on_signals
+    from kvexp.report.summary import report_is_current, write_job_report, write_sweep_outputs
+
+    if report_is_current(folder, multirun):
+        return 0
+
+    def render() -> int:
+        try:
+            written = write_sweep_outputs(folder) if multirun else write_job_report(folder)[1]
+        except Exception as e:  # one line: the results themselves stay as they are
+            print(f"kvexp resume: cannot render the report of {folder}: {str(e).splitlines()[0] if str(e) else e}",
+                  file=sys.stderr)
+            return 1
+        print(f"kvexp: its report was missing or older than its results; wrote {len(written)} files in "
+              f"{folder / 'report'}", file=sys.stderr)
+        return 0
+    return quiet_on_signals("resume", render)
 
 
 def _finished(folder: Path, run_argv: list[str]) -> Optional[str]:

@@ -42,6 +42,8 @@ from kvexp.results.validate import validate_document
 log = logging.getLogger(__name__)
 
 FORMATS = ("md", "html", "pdf")
+FILES = {"md": "report.md", "html": "report.html", "pdf": "report.pdf", "json": "comparison.json",
+         "csv": "comparison.csv"}  # what render_report writes in its folder, by kind
 
 
 class ReportFiles(dict):
@@ -160,7 +162,7 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
     env = environment()
     files = ReportFiles()
     if "md" in formats:
-        files["md"] = atomic_write(out_dir / "report.md", env.get_template("report.md.j2").render(ctx))
+        files["md"] = atomic_write(out_dir / FILES["md"], env.get_template("report.md.j2").render(ctx))
         if png_dir is not None and png_dir.is_dir():
             files["charts"] = png_dir
     html = None
@@ -169,13 +171,13 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         ctx["css"] = Markup(css_path.read_text(encoding="utf-8")) if css_path.is_file() else ""
         html = env.get_template("report.html.j2").render(ctx)
         if "html" in formats:
-            files["html"] = atomic_write(out_dir / "report.html", html)
-    files["json"] = atomic_write(out_dir / "comparison.json",
+            files["html"] = atomic_write(out_dir / FILES["html"], html)
+    files["json"] = atomic_write(out_dir / FILES["json"],
                                  json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
-    files["csv"] = write_csv(aggregate, out_dir / "comparison.csv")
+    files["csv"] = write_csv(aggregate, out_dir / FILES["csv"])
     if "pdf" in formats and html is not None:
         try:
-            files["pdf"] = pdf.write(html, out_dir / "report.pdf", out_dir)
+            files["pdf"] = pdf.write(html, out_dir / FILES["pdf"], out_dir)
         except pdf.PDFUnavailable as e:
             log.warning("%s", e)
             files.problems.append(str(e))

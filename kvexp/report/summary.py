@@ -242,6 +242,18 @@ def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     return agg, list(render_report(agg, job_dir / "report").values())
 
 
+def report_is_current(folder: Path, multirun: bool) -> bool:
+    """Whether folder/report holds every file of a report written after the newest result (and, for a
+    sweep, after sweep.json): not so when a signal cut its rendering short, or it was never rendered."""
+    from kvexp.report import pdf
+    from kvexp.report.render import FILES
+
+    inputs = [*folder.glob(f"*/{RESULT_FILE}"), folder / "sweep.json"] if multirun else [folder / RESULT_FILE]
+    newest = max((p.stat().st_mtime for p in inputs if p.is_file()), default=0.0)
+    report = [folder / "report" / name for kind, name in FILES.items() if kind != "pdf" or pdf.support() is None]
+    return all(p.is_file() and p.stat().st_mtime >= newest for p in report)
+
+
 def end_of_run_text(agg: dict[str, Any]) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
