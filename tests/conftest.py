@@ -229,7 +229,8 @@ def with_tiny(args) -> list[str]:
     flags = 0  # Hydra's own flags (-m, --multirun) come before the overrides
     while flags < len(args) and str(args[flags]).startswith("-"):
         flags += 1
-    return [*args[:flags], *TINY, *args[flags:]]
+    given = {str(a).split("=", 1)[0] for a in args[flags:]}
+    return [*args[:flags], *(t for t in TINY if t.split("=", 1)[0] not in given), *args[flags:]]
 
 
 def kvexp_main(*args: str) -> int:

@@ -124,7 +124,9 @@ def test_refused_in_one_line_before_anything_starts(tmp_path, capsys, overrides,
     (["kv.per_backend.llamacpp=q4_1"], "kv.per_backend.llamacpp='q4_1': a q4_1 KV cache, but the job (kv=fp16"),
     (["backend.host=not_a_host!!"], "backend.host='not_a_host!!': not an IP address or host name"),
     (["kv=fp16,q8_0"], "kv=fp16,q8_0: a comma list runs one job per value, a sweep: allowed with -m"),
-], ids=["inf", "workers", "per_backend", "host", "comma-list"])
+    (["kv=fp16", "kv=q8_0"], "kv=fp16 and kv=q8_0: kv is given twice and only the last would count"),
+    (["scenario.seed=1", "+scenario.seed=2"], "scenario.seed=1 and +scenario.seed=2: scenario.seed is given twice"),
+], ids=["inf", "workers", "per_backend", "host", "comma-list", "repeated-group", "repeated-key"])
 def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, starts):
     p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, *overrides, f"hydra.run.dir={tmp_path}/run"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -202,3 +204,9 @@ def test_a_check_that_stumbles_over_inf_names_the_setting(monkeypatch):
 def test_plan_refuses_a_number_that_is_not_finite(capsys):
     assert kvexp_main("plan", "model.params_b=inf") == 1
     assert capsys.readouterr().err == "kvexp: model.params_b=inf: not a finite number; allowed values are finite numbers\n"
+
+
+def test_plan_refuses_a_key_given_twice(capsys):
+    assert kvexp_main("plan", "kv=fp16", "kv=q8_0") == 1
+    assert capsys.readouterr().err == ("kvexp: kv=fp16 and kv=q8_0: kv is given twice and only the last would "
+                                       "count; give it once (one job per value is a sweep: -m kv=a,b)\n")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               ignored_keys_note, kv_choices, one_line_error, safe_name, sweep_backends,
+                               ignored_keys_note, kv_choices, one_line_error, refuse_repeats, safe_name, sweep_backends,
                                sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
 from kvexp.core.config import ConfigError, KVConfig, job_label
@@ -70,6 +70,7 @@ def run_experiment(argv: list[str]) -> int:
             if stray:
                 raise ConfigError(f"{stray[0]}: neither a command ({', '.join(SUBCOMMANDS)}) nor an override "
                                   "key=value")
+            refuse_repeats(overrides)
             kvs = kv_choices()
             jobs = compose_all(overrides)
             skipped = []
@@ -437,6 +438,7 @@ def cmd_plan(argv: list[str]) -> int:
         return 0
     try:
         argv, gpus = whatif_args(argv)
+        refuse_repeats([a for a in argv if not a.startswith("-")])
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
         from kvexp.workload import scenario
 

@@ -97,6 +97,17 @@ def _unparsable(override: str, message: str) -> str:
             f"_-./:, or one in quotes, e.g. {key}='{value}'")
 
 
+def refuse_repeats(overrides: list[str]) -> None:
+    """A key given twice (`kv=fp16 kv=q8_0`): Hydra would silently take the last; one line instead."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in seen:
+            raise ConfigError(f"{seen[key]} and {o}: {key} is given twice and only the last would count; give it "
+                              f"once (one job per value is a sweep: -m {key}=a,b)")
+        seen[key] = o
+
+
 def sweep_lists(overrides: list[str]) -> list[str]:
     """The overrides that are comma lists (a sweep: one job per value, which needs -m)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
