@@ -126,13 +126,18 @@ def test_refused_in_one_line_before_anything_starts(tmp_path, capsys, overrides,
     (["kv=fp16,q8_0"], "kv=fp16,q8_0: a comma list runs one job per value, a sweep: allowed with -m"),
     (["kv=fp16", "kv=q8_0"], "kv=fp16 and kv=q8_0: kv is given twice and only the last would count"),
     (["scenario.seed=1", "+scenario.seed=2"], "scenario.seed=1 and +scenario.seed=2: scenario.seed is given twice"),
-], ids=["inf", "workers", "per_backend", "host", "comma-list", "repeated-group", "repeated-key"])
+    (["label=a\x1b[2Jb"], "label=a\\x1b[2Jb: Hydra cannot parse this override"),
+    (["label='a\nb'"], "the job's label 'a\\nb' holds '\\n' at position 1: it names files"),
+    (["\x1b]0;owned\x07"], "\\x1b]0;owned\\x07: neither a command"),
+], ids=["inf", "workers", "per_backend", "host", "comma-list", "repeated-group", "repeated-key", "escape", "newline",
+        "stray-escape"])
 def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, starts):
     p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, *overrides, f"hydra.run.dir={tmp_path}/run"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode == 1, p.stderr[-2000:]
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"kvexp: {starts}"), p.stderr[-2000:]
+    assert lines[0].isprintable(), lines[0]  # what was typed is quoted, never acted on by the terminal
     assert "Traceback" not in p.stderr and not list(tmp_path.rglob("result.json"))
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
 

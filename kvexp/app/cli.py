@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf
 
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               ignored_keys_note, kv_choices, one_line_error, refuse_repeats, safe_name, sweep_backends,
-                               sweep_overrides, to_experiment)
+                               ignored_keys_note, kv_choices, one_line_error, printable, refuse_repeats, safe_name,
+                               sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
 from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
@@ -86,7 +86,7 @@ def run_experiment(argv: list[str]) -> int:
 
             argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
         except ConfigError as e:
-            print(f"kvexp: {e}", file=sys.stderr)
+            print(f"kvexp: {printable(str(e))}", file=sys.stderr)
             return 1
         if folder is not None:
             _announce(jobs, skipped, backend_only, overrides)
@@ -310,7 +310,7 @@ def cmd_resume(argv: list[str]) -> int:
     try:
         run_argv = resume_args(args.folder)
     except ConfigError as e:
-        print(f"kvexp: {e}", file=sys.stderr)
+        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
         return 1
     done = _finished(args.folder, run_argv)
     if done:
@@ -403,7 +403,7 @@ def _report(args: argparse.Namespace) -> int:
     try:
         agg = collect(args.paths)
     except ResultError as e:
-        print(f"kvexp: {e}", file=sys.stderr)
+        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
         return 1
     out = args.out or Path("outputs/reports") / _stamp()
     try:
@@ -448,7 +448,7 @@ def cmd_plan(argv: list[str]) -> int:
             scenario.check_scenario(cfg.scenario)
             check_finite(cfg)
     except (ConfigError, ValueError) as e:
-        print(f"kvexp: {e}", file=sys.stderr)
+        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
         return 1
     table = calibration.load()
     print(plan_table(cfgs, table))
@@ -491,7 +491,7 @@ def cmd_results(argv: list[str]) -> int:
     try:
         agg = collect(args.paths)
     except ResultError as e:
-        print(f"kvexp: {e}", file=sys.stderr)
+        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
         return 1
     if args.csv is None:
         sys.stdout.write(results_table(agg))

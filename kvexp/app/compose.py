@@ -59,6 +59,12 @@ def kv_choices() -> dict[str, KVConfig]:
     return out
 
 
+def printable(text: str) -> str:
+    """text with every character a terminal would act on (a newline, ESC, a bidi override) written as its
+    escape, so that an error quoting what was typed stays one harmless line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def one_line_error(e: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line errors, as one line naming the key and the allowed values."""
     if type(e).__name__ == "OverrideParseException" and getattr(e, "override", None):
