@@ -126,10 +126,15 @@ def test_refused_in_one_line_before_anything_starts(tmp_path, capsys, overrides,
     (["kv=fp16,q8_0"], "kv=fp16,q8_0: a comma list runs one job per value, a sweep: allowed with -m"),
     (["kv=fp16", "kv=q8_0"], "kv=fp16 and kv=q8_0: kv is given twice and only the last would count"),
     (["scenario.seed=1", "+scenario.seed=2"], "scenario.seed=1 and +scenario.seed=2: scenario.seed is given twice"),
+    (["backend.extra_args=[--port,1]"], "backend.extra_args: --port is set by kvexp itself (its value is measured, "
+     "recorded and hashed); use backend.host and backend.port"),
+    (["backend=vllm", "backend.extra_args=['--kv-cache-dtype=fp8']"], "backend.extra_args: --kv-cache-dtype is set "
+     "by kvexp itself"),
     (["label=a\x1b[2Jb"], "label=a\\x1b[2Jb: Hydra cannot parse this override"),
     (["label='a\nb'"], "the job's label 'a\\nb' holds '\\n' at position 1: it names files"),
     (["\x1b]0;owned\x07"], "\\x1b]0;owned\\x07: neither a command"),
-], ids=["inf", "workers", "per_backend", "host", "comma-list", "repeated-group", "repeated-key", "escape", "newline",
+], ids=["inf", "workers", "per_backend", "host", "comma-list", "repeated-group", "repeated-key", "managed-flag",
+        "managed-flag-vllm", "escape", "newline",
         "stray-escape"])
 def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, starts):
     p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, *overrides, f"hydra.run.dir={tmp_path}/run"],

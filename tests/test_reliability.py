@@ -135,10 +135,10 @@ def test_slow_start_is_waited_for(tmp_path, fake_binary, pool):
 
 
 def test_exit_before_ready(tmp_path, fake_binary, pool):
-    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--port,x]")
+    r, err = run(tmp_path, fake_binary, pool, "backend.extra_args=[--start-delay,x]")
     assert isinstance(err, BackendError)
     assert r["status_reason"] == "llamacpp server exited with status 2 before becoming ready"
-    assert "invalid int value: 'x'" in r["backend"]["log_tail"]
+    assert "invalid float value: 'x'" in r["backend"]["log_tail"]
 
 
 def test_port_taken(tmp_path, fake_binary, pool):

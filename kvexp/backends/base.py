@@ -280,6 +280,11 @@ class Adapter:
             if not b.endpoint and var in os.environ and var not in b.env:
                 raise ConfigError(f"{var}={os.environ[var]} is set in kvexp's environment: it changes "
                                   f"{cls.display_name}'s numbers without being recorded; unset it and use {instead}")
+        for arg in b.extra_args:  # a flag kvexp sets itself: given again, the server would take one of the two
+            flag = str(arg).split("=", 1)[0]
+            if flag in cls.managed_flags:
+                raise ConfigError(f"backend.extra_args: {flag} is set by kvexp itself (its value is measured, "
+                                  f"recorded and hashed); use {cls.managed_flags[flag]}")
 
     @property
     def stream_keepalive(self) -> bool:
@@ -367,6 +372,8 @@ class Adapter:
 
     # inherited environment variables that change the server's numbers -> the setting to use instead
     numerics_env: ClassVar[dict[str, str]] = {}
+    # the server's command-line flags kvexp sets (every spelling) -> the setting to use instead
+    managed_flags: ClassVar[dict[str, str]] = {}
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         """The launch settings besides the KV dtype that change the server's numbers with KV type

@@ -275,6 +275,18 @@ class LlamaCpp(Adapter):
         return tokens, tops + [None] * (len(tokens) - len(tops))
 
     numerics_env = {ROTATION_OFF_ENV: "backend.kv_rotation=off"}
+    managed_flags = {
+        **dict.fromkeys(("-m", "--model", "--alias", "-a"), "model= (model.gguf)"),
+        **dict.fromkeys(("--host", "--port"), "backend.host and backend.port"),
+        **dict.fromkeys(("-np", "--parallel"), "backend.parallel"),
+        **dict.fromkeys(("-c", "--ctx-size"), "backend.context"),
+        **dict.fromkeys(("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"), "kv= (or kv.per_backend.llamacpp)"),
+        **dict.fromkeys(("-fa", "--flash-attn"), "backend.flash_attn"),
+        **dict.fromkeys(("-t", "--threads"), "backend.threads"),
+        **dict.fromkeys(("-ngl", "--gpu-layers", "--n-gpu-layers"), "backend.n_gpu_layers"),
+        **dict.fromkeys(("-lv", "--verbosity", "--log-verbosity", "--metrics", "--slots", "--slot-save-path"),
+                        "nothing: kvexp reads the server's log, metrics and slots through them"),
+    }
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         out = {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}

@@ -441,6 +441,18 @@ class VLLM(Adapter):
         return tokens, tops + [None] * (len(tokens) - len(tops))
 
     numerics_env = {"VLLM_ATTENTION_BACKEND": "backend.env.VLLM_ATTENTION_BACKEND=... (recorded and hashed)"}
+    managed_flags = {
+        **dict.fromkeys(("--model", "--served-model-name"), "model="),
+        **dict.fromkeys(("--host", "--port"), "backend.host and backend.port"),
+        "--kv-cache-dtype": "kv= (or kv.per_backend.vllm)",
+        "--max-model-len": "backend.context",
+        "--max-num-seqs": "backend.parallel",
+        "--kv-cache-memory-bytes": "backend.kv_cache_memory_bytes",
+        "--gpu-memory-utilization": "backend.gpu_memory_utilization",
+        "--block-size": "backend.block_size",
+        "--dtype": "backend.dtype",
+        "--enforce-eager": "backend.enforce_eager",
+    }
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         out = {"dtype": self.b.dtype or "the model's (config.json)", "block_size": self.b.block_size,
