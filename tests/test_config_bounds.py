@@ -102,6 +102,9 @@ REFUSED = [
      "its grid; allowed: null without a search", ""),
     (["scenario.concurrency=[1,1]"], "scenario.concurrency=[1, 1]: level 1 is given twice", "allowed: distinct"),
     ([*RATES[:1], "scenario.rates=[2.5,1,2.5]"], "scenario.rates=[2.5, 1.0, 2.5]: level 2.5 is given twice", ""),
+    (["scenario.search=rate", "scenario.slo_ttft_ms=100", RATES[0], "scenario.rates=[0.001,1]", "scenario.requests=100"],
+     "scenario.rates=[0.001, 1.0]: level 0.001 sends its 100 requests (scenario.requests) over 27.8 hours",
+     "within a day"),
     # 6. a label every reader would refuse
     (["label=" + "L" * 1001], "the job's label is 1,001 characters", "more than the 1,000 a name may have"),
     (["model.name=" + "m" * 1000], "the job's label is 1,020 characters", ""),

@@ -111,6 +111,12 @@ def check_levels(s: ScenarioConfig) -> None:
         require(not seen, f"{key}={levels}: level {seen[0] if seen else ''} is given twice; each level is measured "
                 "once per repeat (scenario.repeats repeats them); allowed: distinct levels")
         require(len(levels) <= MAX_LEVELS, f"{key}: {len(levels):,} levels; allowed at most {MAX_LEVELS:,} per job")
+    rates = [x for x in s.rates if isinstance(x, (int, float)) and x > 0]
+    if rates and isinstance(s.requests, int) and not s.trace:  # a level's requests go out over requests / rate
+        span = s.requests / min(rates)
+        require(span <= MAX_WAIT_S, f"scenario.rates={list(s.rates)}: level {min(rates)} sends its "
+                f"{s.requests:,} requests (scenario.requests) over {span / 3600:,.1f} hours; allowed: levels that send "
+                f"them within a day (requests / rate <= {MAX_WAIT_S:,.0f} s)")
     require(s.max_concurrency is None or not s.concurrency,
             f"scenario.max_concurrency={s.max_concurrency}: caps open-loop levels (scenario.rates) only, and "
             f"scenario.concurrency={list(s.concurrency)} is closed loop (each level is its own cap); allowed: null, "
