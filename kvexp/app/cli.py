@@ -86,8 +86,7 @@ def run_experiment(argv: list[str]) -> int:
 
             argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
         except ConfigError as e:
-            print(f"kvexp: {printable(str(e))}", file=sys.stderr)
-            return 1
+            return _refused(e)
         if folder is not None:
             _announce(jobs, skipped, backend_only, overrides)
         sweep = _Sweep(folder=folder or Path.cwd(), multirun=multirun, pool=ServerPool(),
@@ -310,14 +309,19 @@ def cmd_resume(argv: list[str]) -> int:
     try:
         run_argv = resume_args(args.folder)
     except ConfigError as e:
-        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
-        return 1
+        return _refused(e)
     done = _finished(args.folder, run_argv)
     if done:
         print(f"kvexp: nothing to resume in {args.folder}: {done}", file=sys.stderr)
         return _finish_report(args.folder, "-m" in run_argv)
     print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
     return run_experiment(run_argv)
+
+
+def _refused(e: Exception) -> int:
+    """A refused command: its one line (what was typed quoted harmlessly), exit status 1."""
+    print(f"kvexp: {printable(str(e))}", file=sys.stderr)
+    return 1
 
 
 def _finish_report(folder: Path, multirun: bool) -> int:
@@ -403,8 +407,7 @@ def _report(args: argparse.Namespace) -> int:
     try:
         agg = collect(args.paths)
     except ResultError as e:
-        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
-        return 1
+        return _refused(e)
     out = args.out or Path("outputs/reports") / _stamp()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -448,8 +451,7 @@ def cmd_plan(argv: list[str]) -> int:
             scenario.check_scenario(cfg.scenario)
             check_finite(cfg)
     except (ConfigError, ValueError) as e:
-        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
-        return 1
+        return _refused(e)
     table = calibration.load()
     print(plan_table(cfgs, table))
     if gpus or len({(c.gpu.name, c.gpu.memory_gib) for c in cfgs}) > 1:
@@ -491,8 +493,7 @@ def cmd_results(argv: list[str]) -> int:
     try:
         agg = collect(args.paths)
     except ResultError as e:
-        print(f"kvexp: {printable(str(e))}", file=sys.stderr)
-        return 1
+        return _refused(e)
     if args.csv is None:
         sys.stdout.write(results_table(agg))
         return 0
@@ -593,9 +594,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def entry() -> None:
-    code = main()
-    from kvexp.backends.process import repeats_ignored
+    from kvexp.backends.process import process_exits_after_command, repeats_ignored
 
+    process_exits_after_command()
+    code = main()
     if repeats_ignored():  # a signal ended the command: Python's own exit would put back the default
         logging.shutdown()  # handlers, and a Ctrl-C pressed again then would kill kvexp with SIGINT's status
         sys.stdout.flush()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvexp.assets import install
-from kvexp.backends.process import HANDLED, Interrupted, ignore_repeats, repeats_ignored
+from kvexp.backends.process import HANDLED, Interrupted, ignore_repeats, restore_signals
 
 
 def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Callable[[], str]] = None) -> int:
@@ -35,9 +35,7 @@ def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Ca
         name = str(e) if str(e) in signal.Signals.__members__ else "SIGINT"
         return interrupted(f"kvexp {command}: interrupted by {name}{cleanup() if cleanup else ''}", name)
     finally:
-        if not repeats_ignored():  # else a repeat stays ignored while kvexp leaves
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+        restore_signals(handlers)
 
 
 def interrupted(line: str, name: str) -> int:

@@ -203,10 +203,19 @@ def raise_on_signals() -> dict[int, object]:
     return {sig: signal.signal(sig, _on_signal) for sig in HANDLED}
 
 
+_process_exits = False  # kvexp runs as its own process (kvexp.app.cli.entry), which ends with the command
+
+
+def process_exits_after_command() -> None:
+    global _process_exits
+    _process_exits = True
+
+
 def restore_signals(handlers: dict[int, object]) -> None:
-    """Put back the handlers raise_on_signals replaced, unless a signal has ended the run: then a second
-    one (Ctrl-C after a SIGTERM) stays ignored while kvexp leaves, and the first decides the exit status."""
-    if not _interrupted:
+    """Put back the handlers raise_on_signals (or quiet_on_signals) replaced; but where a signal ended the
+    command and the process ends with it, a second one (Ctrl-C after a SIGTERM) stays ignored while kvexp
+    leaves, and the first decides the exit status."""
+    if not (_process_exits and repeats_ignored()):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
