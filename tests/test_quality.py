@@ -237,8 +237,8 @@ def test_vllm_fp8_drifts_and_auto_reproduces_itself(tmp_path):
 # --- Ollama (the real server: its continuation path through the adapter) -------------------------------
 
 def test_ollama_quality_degrades_to_continuations_with_reasons(ollama, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, "backend=ollama", "kv=fp16,q8_0",
-                        "scenario=quality", "quality.prompts=3", "quality.max_tokens=8", f"backend.binary={ollama}"],
+    p = subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(["-m", "backend=ollama", "kv=fp16,q8_0",
+                        "scenario=quality", "quality.prompts=3", "quality.max_tokens=8", f"backend.binary={ollama}"])],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300,
                        env={**os.environ, "KVEXP_QUALITY_CACHE": str(tmp_path / "qcache"), "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.app.cli import main, resume_args
+from kvexp.app.cli import main
+from kvexp.app.resume import resume_args
 
 from kvexp.app.compose import compose
 from kvexp.results.store import ResultError, load_document

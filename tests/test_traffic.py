@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import TINY, with_tiny
 
 from kvexp.app.checks import check_config
 from kvexp.app.compose import compose
@@ -228,8 +228,8 @@ def test_every_bad_trace_line_is_refused_with_its_number(tmp_path, bad, field):
 
 def test_a_bad_file_stops_the_cli_before_anything_runs(tmp_path):
     path = _bad(tmp_path, "d.jsonl", [GOOD, '{"conversations": [{"from": "gpt", "value": "no question"}]}'])
-    out = subprocess.run([sys.executable, "-m", "kvexp", *TINY, "scenario=sharegpt", f"scenario.dataset={path}",
-                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "kvexp", *with_tiny(["scenario=sharegpt", f"scenario.dataset={path}",
+                          f"hydra.run.dir={tmp_path / 'run'}"])], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 1, out.stderr  # kvexp's status for a config that cannot run
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("kvexp:")]
     assert f"{path} line 2:" in line and "no user message" in line

@@ -1,4 +1,4 @@
-"""The command line: the only module that touches Hydra and OmegaConf.
+"""The command line: the subcommands and the run itself (Hydra's entry point).
 
     python -m kvexp [-m] [group=option ...] [key=value ...]   run (or sweep) experiments
     python -m kvexp resume DIR                                 finish an interrupted sweep or run
@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import OmegaConf
-
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               ignored_keys_note, kv_choices, one_line_error, printable, refuse_repeats, safe_name,
+                               ignored_keys_note, kv_choices, printable, refuse_repeats, safe_name,
                                sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
+from kvexp.app.resume import finish_report, finished, resume_args
 from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
 
@@ -276,31 +275,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: {message}\n")
 
 
-def resume_args(folder: Path) -> list[str]:
-    """The command line that runs the sweep (or single run) saved in `folder` again into the same
-    folder with resume=true, from the overrides Hydra saved there (multirun.yaml, .hydra/hydra.yaml)."""
-    if not folder.is_dir():
-        raise ConfigError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
-    multirun = (folder / "multirun.yaml").is_file()
-    saved = folder / ("multirun.yaml" if multirun else ".hydra/hydra.yaml")
-    if not saved.is_file():
-        raise ConfigError(f"{folder}: not a kvexp sweep or run folder (no multirun.yaml or .hydra/hydra.yaml)")
-    try:
-        overrides: Any = OmegaConf.to_container(OmegaConf.load(saved).hydra.overrides, resolve=False)
-        args = [*overrides["hydra"], *overrides["task"]]
-        if not all(isinstance(a, str) for a in args):
-            raise ValueError("not a list of strings")
-    except Exception as e:
-        raise ConfigError(f"{saved}: hydra.overrides: cannot read the saved overrides "
-                          f"({one_line_error(e)})") from None
-    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
-    kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
-    from kvexp.app.preflight import quote_path
-
-    return (["-m"] if multirun else []) + kept + [f"{dir_key}={quote_path(folder.resolve())}", "resume=true"]
-
-
 def cmd_resume(argv: list[str]) -> int:
     ap = _Parser(prog="kvexp resume", description="Finish an interrupted sweep or run in its own folder: "
                  "complete jobs are kept, finished levels are kept, only what is missing is measured.")
@@ -310,10 +284,10 @@ def cmd_resume(argv: list[str]) -> int:
         run_argv = resume_args(args.folder)
     except ConfigError as e:
         return _refused(e)
-    done = _finished(args.folder, run_argv)
+    done = finished(args.folder, run_argv)
     if done:
         print(f"kvexp: nothing to resume in {args.folder}: {done}", file=sys.stderr)
-        return _finish_report(args.folder, "-m" in run_argv)
+        return finish_report(args.folder, "-m" in run_argv)
     print(f"kvexp: resuming: python -m kvexp {' '.join(shlex.quote(a) for a in run_argv)}", file=sys.stderr)
     return run_experiment(run_argv)
 
@@ -322,42 +296,6 @@ def _refused(e: Exception) -> int:
     """A refused command: its one line (what was typed quoted harmlessly), exit status 1."""
     print(f"kvexp: {printable(str(e))}", file=sys.stderr)
     return 1
-
-
-def _finish_report(folder: Path, multirun: bool) -> int:
-    """Render the report of a finished run or sweep again when it is missing or older than its results (a
-    signal cut its rendering short); exit status 1 when that fails."""
-    from kvexp.app.interrupts import quiet_on_signals
-    from kvexp.report.summary import report_is_current, write_job_report, write_sweep_outputs
-
-    if report_is_current(folder, multirun):
-        return 0
-
-    def render() -> int:
-        try:
-            written = write_sweep_outputs(folder) if multirun else write_job_report(folder)[1]
-        except Exception as e:  # one line: the results themselves stay as they are
-            print(f"kvexp resume: cannot render the report of {folder}: {str(e).splitlines()[0] if str(e) else e}",
-                  file=sys.stderr)
-            return 1
-        print(f"kvexp: its report was missing or older than its results; wrote {len(written)} files in "
-              f"{folder / 'report'}", file=sys.stderr)
-        return 0
-    return quiet_on_signals("resume", render)
-
-
-def _finished(folder: Path, run_argv: list[str]) -> Optional[str]:
-    """What a resume would find finished (e.g. "its 4 jobs are finished (3 complete, 1 skipped)"), or
-    None when something is left to measure or the folder's spec cannot be composed (the resume itself
-    then says why)."""
-    from kvexp.app.preflight import finished_jobs
-
-    multirun = "-m" in run_argv
-    try:
-        jobs = compose_all([a for a in run_argv if not a.startswith("-")])
-    except ConfigError:
-        return None
-    return finished_jobs(folder.resolve(), multirun, [cfg for _, cfg in jobs])
 
 
 def cmd_validate(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
 from kvexp.planning import prediction, whatif
+from kvexp.report import pdf
 from kvexp.report.tables import Table, header, numeric, text_table
 from kvexp.report.templating import environment
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
@@ -245,8 +246,7 @@ def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
 def report_is_current(folder: Path, multirun: bool) -> bool:
     """Whether folder/report holds every file of a report written after the newest result (and, for a
     sweep, after sweep.json): not so when a signal cut its rendering short, or it was never rendered."""
-    from kvexp.report import pdf
-    from kvexp.report.render import FILES
+    from kvexp.report.render import FILES  # lazy: render loads matplotlib; a job's summary does not
 
     inputs = [*folder.glob(f"*/{RESULT_FILE}"), folder / "sweep.json"] if multirun else [folder / RESULT_FILE]
     newest = max((p.stat().st_mtime for p in inputs if p.is_file()), default=0.0)
