@@ -1,6 +1,7 @@
 """Deaths and hangs, on the real llama-server: SIGHUP (a dropped ssh session) and SIGKILL to kvexp leave
 no server running (checked by pid 5 s later), and a server stopped with SIGSTOP mid-level ends that
-level one quiet window (scenario.stall_timeout_s) after, fails the job and makes the run exit non-zero."""
+level one quiet window (scenario.stall_timeout_s) after, fails the job and makes the run exit non-zero;
+one told to stop (SIGTERM) ends it once its refused port is seen, seconds later."""
 
 from __future__ import annotations
 
@@ -136,3 +137,34 @@ def hung_server_ends_its_level(tmp_path: Path, workers: int) -> None:
 @pytest.mark.parametrize("workers", [1, 2], ids=["own-loop", "2-worker-processes"])
 def test_a_hung_server_ends_its_level_within_the_stall_timeout(llama_server, tmp_path, workers):
     hung_server_ends_its_level(tmp_path, workers)
+
+
+def test_a_server_told_to_stop_mid_level_ends_it_without_waiting_for_the_stall_timeout(llama_server, tmp_path):
+    """SIGTERM to llama-server mid-level: it closes its listener at once but stays in its shutdown with
+    every stream open and silent. The watch's early probe is refused, so the level fails within a few
+    seconds of quiet, not after scenario.stall_timeout_s (600 s here: the hang guard below is far shorter)."""
+    run = Run("scenario.requests=40", "scenario.concurrency=[4]", "scenario.max_tokens=4000",
+              "scenario.stall_timeout_s=600", f"hydra.run.dir={tmp_path}/run")
+    try:
+        run.wait_for("level 4: 40 requests")
+        server = run.server()
+        time.sleep(1)
+        server.send_signal(signal.SIGTERM)
+        run.wait_for("(FAILED)", timeout=180)
+        rc = run.proc.wait(timeout=120)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    assert rc == 1
+    assert run.output.strip().splitlines()[-1] == "kvexp: 1 job(s) failed: llamacpp-tiny-fp16-smoke"
+    assert not running(server)
+    r = load_document(tmp_path / "run" / "result.json")[1]
+    (lv,) = r["levels"]
+    assert lv["status"] == "failed" and lv["status_reason"].startswith("server stopped listening:"), lv["status_reason"]
+    quiet = int(re.search(r"no bytes on any stream for (\d+) s", lv["status_reason"]).group(1))
+    assert quiet < 600, lv["status_reason"]  # the refused probe, not the stall timeout, ended it
+    assert r["status"] == "failed" and r["status_reason"].startswith("server stopped listening:")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    cut = [q for q in rows if not q["warmup"] and q["error_kind"] == "connection"]
+    assert cut and all("server stopped listening" in q["error"] for q in cut)
+    assert check_file(tmp_path / "run" / "requests.jsonl") == []

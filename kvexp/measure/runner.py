@@ -353,7 +353,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                                      max_start_rate=s.max_start_rate, options=options)
         run = await watch.guard(level_run)
     except ServerHung as e:
-        hung, run = str(e), hung_level_run(reqs, str(e))
+        hung, run = str(e), hung_level_run(reqs, e)
     records = run.records
     load = machine.load_view(cpu_before, machine.cpu_times())
     seen = gauges.window()

@@ -6,7 +6,12 @@ watch looks at the server as a whole instead: when no bytes have arrived on any 
 `stall_timeout_s` (counted by the load generator's reads in this process, and by the bytes the server
 process tree has written, which also covers requests sent from worker processes) and the health
 probe does not answer either, the server is hung: the level is cut short and ServerHung raised.
-A server that is slow but answers its health probe is left alone."""
+A server that is slow but answers its health probe is left alone.
+
+A server told to stop (SIGTERM to llama-server) closes its listener at once but may sit in its shutdown
+for minutes with every stream open and silent. So once the streams have been quiet for QUIET_PROBE_S,
+the health probe runs every QUIET_PROBE_S: a refused connection (nothing listens on the port) ends the
+level at once. Only a refusal counts there; a probe that is slow to answer waits for the stall timeout."""
 
 from __future__ import annotations
 
@@ -25,11 +30,22 @@ from kvexp.metrics.records import RequestRecord
 T = TypeVar("T")
 CHECK_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 2.0
+QUIET_PROBE_S = 2.0  # streams quiet this long: is the server still listening? (asked at most this often)
 CANCEL_WAIT_S = 5.0  # how long the cut-short level may take to unwind
 
 
 class ServerHung(BackendError):
-    """The server stopped answering: no bytes on any stream and no answer to its health probe."""
+    """The server stopped answering: no bytes on any stream and no answer to its health probe (or its
+    port refuses connections)."""
+
+    PREFIXES = ("server hung", "server stopped listening")
+    error_kind = "timeout"  # what the requests it cut short are
+
+
+class ServerStopped(ServerHung):
+    """The server's port refuses connections while its streams are silent: it is shutting down."""
+
+    error_kind = "connection"
 
 
 def process_tree_writes(pid: Optional[int]) -> Callable[[], Optional[int]]:
@@ -59,6 +75,7 @@ class ServerWatch:
         self.stall_s = stall_s
         self.activity = activity  # each returns a value that changes whenever bytes flow
         self.reason: Optional[str] = None
+        self.stopped = False  # the port refused the probe (else: hung)
         self._seen = self._signature()
         self._last = time.monotonic()  # the quiet window runs from here, across sample() and guard()
 
@@ -70,14 +87,18 @@ class ServerWatch:
         except asyncio.TimeoutError:
             return None
 
-    async def _answers(self) -> bool:
+    async def _probe(self) -> str:
+        """The health probe: "answers" (any HTTP answer, even 503 while loading, is a live server),
+        "refused" (nothing listens on the port) or "silent"."""
         try:
             timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
             async with self.session.get(self.health_path, timeout=timeout) as resp:
                 await resp.read()
-                return True  # any HTTP answer, even 503 while loading, is a live server
+                return "answers"
+        except aiohttp.ClientConnectorError as e:
+            return "refused" if isinstance(e.os_error, ConnectionRefusedError) else "silent"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            return "silent"
 
     def _signature(self) -> tuple:
         out = []
@@ -89,17 +110,27 @@ class ServerWatch:
         return tuple(out)
 
     async def _watch(self) -> None:
-        """Returns once the server is hung (self.reason says how)."""
+        """Returns once the server is hung or stopped listening (self.reason says how)."""
+        probed = float("-inf")
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
-            now_sig = self._signature()
+            now_sig, now = self._signature(), time.monotonic()
             if now_sig != self._seen:
-                self._seen, self._last = now_sig, time.monotonic()
+                self._seen, self._last = now_sig, now
                 continue
-            quiet = time.monotonic() - self._last
-            if quiet < self.stall_s:
+            quiet = now - self._last
+            if quiet < self.stall_s and (quiet < QUIET_PROBE_S or now - probed < QUIET_PROBE_S):
                 continue
-            if await self._answers():
+            probed, answer = now, await self._probe()
+            if answer == "refused":
+                self.reason = (f"server stopped listening: no bytes on any stream for {quiet:.0f} s and "
+                               f"{self.health_path} was refused a connection (the server is shutting down)")
+                self.stopped = True
+                return
+            quiet = time.monotonic() - self._last  # the probe took up to PROBE_TIMEOUT_S of the window
+            if quiet < self.stall_s or self._signature() != self._seen:
+                continue
+            if answer == "answers":
                 self._last = time.monotonic()  # slow, not hung: a fresh window
                 continue
             self.reason = (f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
@@ -122,16 +153,17 @@ class ServerWatch:
         task.cancel()
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
         watcher.result()  # a failure of the watch itself surfaces as itself
-        raise ServerHung(self.reason or "server hung")
+        raise (ServerStopped if self.stopped else ServerHung)(self.reason or "server hung")
 
 
-def hung_level_run(requests: list[tuple[Request, RequestRecord]], reason: str) -> LevelRun:
-    """The level a hung server cut short, from the records this process holds: requests that ended
-    keep what they measured, the others are timeouts (sent from worker processes, none came back)."""
+def hung_level_run(requests: list[tuple[Request, RequestRecord]], hung: ServerHung) -> LevelRun:
+    """The level a hung (or stopped) server cut short, from the records this process holds: requests that
+    ended keep what they measured, the others fail with its error kind (sent from worker processes, none
+    came back)."""
     records = [rec for _, rec in requests]
     for rec in records:
         if rec.done_s is None or rec.sent_s is None:
-            rec.error_kind, rec.error = "timeout", reason
+            rec.error_kind, rec.error = hung.error_kind, str(hung)
     return LevelRun(records=records, workers=1, in_process=True, event_loop=loop_name(), loop_lag_p99_ms=None,
                     cpu_util=[], cpu_s=0.0)
 
@@ -139,5 +171,5 @@ def hung_level_run(requests: list[tuple[Request, RequestRecord]], reason: str) -
 def raise_if_hung(level: dict[str, Any]) -> None:
     """After a level is saved: a hung server ends the job (the runner then stops the server)."""
     reason = level.get("status_reason") or ""
-    if level.get("status") == "failed" and reason.startswith("server hung"):
+    if level.get("status") == "failed" and reason.startswith(ServerHung.PREFIXES):
         raise ServerHung(reason)
