@@ -18,7 +18,7 @@ from kvexp.app.cli import main
 
 from kvexp.app.compose import compose, safe_name
 from kvexp.metrics.records import RequestRecord
-from kvexp.measure.runner import skipped_result
+from kvexp.measure.runner import unrun_result
 
 LEVEL = {"concurrency": 1, "requests": 8, "errors": 0, "throughput_tok_s": 10.0, "ttft_p50_ms": 1.0,
          "ttft_p95_ms": 2.0, "tpot_p50_ms": 1.0, "peak_vram_gib": None, "peak_kv_cache_usage": None,
@@ -29,7 +29,7 @@ REQUEST = RequestRecord(index=0, level=1, sent_s=0.1, first_token_s=0.15, done_s
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Any]:
     """A valid job result (a skipped job, plus one level)."""
-    doc = skipped_result(compose(TINY), tmp_path_factory.mktemp("good"), "for the tests")
+    doc = unrun_result(compose(TINY), tmp_path_factory.mktemp("good"), "for the tests")
     doc["levels"] = [dict(LEVEL)]
     return doc
 

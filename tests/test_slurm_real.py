@@ -3,7 +3,8 @@ mariadb-server; tests/slurm_cluster.py starts and stops it) with the real llama-
 two jobs through `hydra/launcher=submitit_slurm` that complete, each result recording its Slurm job id and
 node, and the sweep's report; then a sweep through `hydra/launcher=kvexp_slurm` with one job cancelled with
 scancel while it measures: the sweep says so in one line, is still reported and fails, no server of that
-job is left, and the other job's result is whole; `kvexp resume` then runs only the cancelled job again."""
+job is left, and the other job's result is whole; `kvexp resume` then submits and runs only the cancelled
+job again. A job cancelled while still pending gets a failed result, fails the sweep, and is run by resume."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ def resumed(cluster, cancelled):
 
 
 @pytest.mark.timeout(400)
-def test_resume_runs_only_the_cancelled_job_again(cancelled, resumed):
+def test_resume_runs_only_the_cancelled_job_again(cluster, cancelled, resumed):
     text = resumed["out"] + resumed["err"]
     assert resumed["rc"] == 0, text[-3000:]
     assert "hydra/launcher=kvexp_slurm" in text and NOTICE not in text
@@ -216,3 +217,67 @@ def test_resume_runs_only_the_cancelled_job_again(cancelled, resumed):
     assert check_file(d / f"1_{SLOW_LABEL}" / "requests.jsonl") == []
     statuses = {r["label"]: r["status"] for r in json.loads((d / "sweep.json").read_text())["runs"]}
     assert statuses == {"llamacpp-tiny-fp16-smoke": "complete", SLOW_LABEL: "complete"}
+    # the complete job was not submitted again: the resume's job array holds the cancelled one only
+    assert "(finished: kept, not submitted)" in text
+    submitted = str(sched["array_job_id"] or sched["job_id"])  # one job submitted alone is no array
+    assert len(cluster.accounting(submitted)) == 1, cluster.accounting(submitted)
+
+
+# ---------------------------------------------------------------- one job cancelled before it started
+@pytest.fixture(scope="module")
+def pending(cluster, llama_server, tmp_path_factory):
+    """A sweep of two jobs, one at a time (array_parallelism=1): the second is cancelled while the first
+    measures, so it never starts and leaves no folder of its own; then the sweep is resumed."""
+    cwd = tmp_path_factory.mktemp("slurm_pending")
+    conf = cwd / "conf"
+    (conf / "scenario").mkdir(parents=True)
+    (conf / "scenario" / "slow.yaml").write_text(SLOW)
+    p = kvexp(cluster, ["-m", "scenario=slow,smoke", f"hydra.searchpath=[file://{conf}]",
+                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", *RESOURCES,
+                        "hydra.launcher.array_parallelism=1"], cwd)
+    try:
+        job, end = None, time.monotonic() + WAIT_S
+        while p.poll() is None and time.monotonic() < end:
+            log = next(cwd.glob(f"outputs/sweeps/*/0_{SLOW_LABEL}/kvexp.log"), None)
+            if log and f"{SLOW_LABEL}: level 4:" in log.read_text(errors="replace"):
+                sched = json.loads((log.parent / "result.json").read_text())["environment"]["scheduler"]
+                job = f"{sched['array_job_id']}_1"
+                break
+            time.sleep(0.5)
+        assert job is not None, "the first job never started measuring"
+        assert cluster.jobs().get(job) == "PENDING", cluster.jobs()
+        cancel = cluster.run("scancel", job)
+        assert cancel.returncode == 0, cancel.stderr
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+    rc, out, err = finish(p)
+    d = sweep_dir(cwd)
+    after_cancel = result(d / "1_llamacpp-tiny-fp16-smoke")
+    statuses = {r["label"]: r["status"] for r in json.loads((d / "sweep.json").read_text())["runs"]}
+    rrc, rout, rerr = finish(kvexp(cluster, ["resume", str(d)], cwd))
+    return {"dir": d, "job": job, "rc": rc, "text": out + err, "result": after_cancel, "statuses": statuses,
+            "resume_rc": rrc, "resume_text": rout + rerr}
+
+
+@pytest.mark.timeout(400)
+def test_a_job_cancelled_while_pending_fails_the_sweep_and_its_resume_runs_it(pending):
+    text = pending["text"]
+    assert pending["rc"] == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    named = [ln for ln in text.splitlines() if "llamacpp-tiny-fp16-smoke" in ln and "cancel" in ln.lower()]
+    assert named and pending["job"] in named[0], text[-3000:]
+    # the launcher gave the job that never started a failed result of its own, counted by the sweep
+    smoke = pending["result"]
+    assert smoke["status"] == "failed" and smoke["levels"] == []
+    assert smoke["status_reason"].startswith(f"cancelled (Slurm job {pending['job']}: CANCELLED")
+    assert pending["statuses"] == {SLOW_LABEL: "complete", "llamacpp-tiny-fp16-smoke": "failed"}
+    # resumed: the finished job is kept (not submitted), the cancelled one measured
+    rtext = pending["resume_text"]
+    assert pending["resume_rc"] == 0, rtext[-3000:]
+    assert "(finished: kept, not submitted)" in rtext
+    smoke = result(pending["dir"] / "1_llamacpp-tiny-fp16-smoke")
+    assert smoke["status"] == "complete" and len(smoke["levels"]) == 2
+    statuses = {r["label"]: r["status"] for r in json.loads((pending["dir"] / "sweep.json").read_text())["runs"]}
+    assert statuses == {SLOW_LABEL: "complete", "llamacpp-tiny-fp16-smoke": "complete"}

@@ -116,10 +116,10 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
 
 def test_job_statuses_count_a_job_that_left_no_result(tmp_path):
     from kvexp.app.compose import compose
-    from kvexp.measure.runner import skipped_result
+    from kvexp.measure.runner import unrun_result
     from kvexp.report.summary import job_statuses
 
     (tmp_path / "0_llamacpp-tiny-q8_0-smoke" / ".hydra").mkdir(parents=True)  # its process died early
-    skipped_result(compose(TINY), tmp_path / "1_llamacpp-tiny-fp16-smoke", "for the test")
+    unrun_result(compose(TINY), tmp_path / "1_llamacpp-tiny-fp16-smoke", "for the test")
     (tmp_path / ".submitit").mkdir()
     assert job_statuses(tmp_path) == {"llamacpp-tiny-q8_0-smoke": "missing", "llamacpp-tiny-fp16-smoke": "skipped"}

@@ -3,7 +3,9 @@
 turns a job that did not finish (cancelled with scancel, past its time limit, its node lost, or failed)
 into one line naming it, recorded in that job's result.json (status failed, with Slurm's state), instead
 of an exception that ends the sweep: the other jobs' results stay, the sweep's report is written, kvexp
-exits 1 (a job says failed), and `python -m kvexp resume` runs again only what is missing."""
+exits 1 (a job says failed), and `python -m kvexp resume` runs again only what is missing: a job
+cancelled while still pending gets a failed result of its own, and a resume does not submit the jobs
+that are already finished."""
 
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ except ImportError:  # hydra-submitit-launcher (kvexp's `cluster` extra) is not 
 
 log = logging.getLogger("kvexp")
 TARGET = "hydra_plugins.kvexp_launcher.slurm.KvexpSlurmLauncher"
+# Slurm's states of a job that was stopped before it finished (squeue/sacct JOB STATE CODES)
+CUT_SHORT = ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "DEADLINE", "BOOT_FAIL")
 
 
 def _why(job: Any) -> str:
-    """One line: what Slurm says became of a job that left no result, and where its output is."""
+    """One line: what Slurm says became of a job stopped before it finished, and where its output is."""
     state = str(getattr(job, "state", "") or "UNKNOWN")
     what = "cancelled" if state.startswith("CANCELLED") else "ended before it finished"
     return f"{what} (Slurm job {job.job_id}: {state}; its output: {job.paths.stderr})"
@@ -49,6 +53,41 @@ def _record(folder: Path, why: str) -> str | None:
         return str(doc["label"])
     except (ResultError, OSError):
         return None
+
+
+def _experiment(cfg: Any, folder: Path) -> Any:
+    """kvexp's typed config of a job from its Hydra config (as the job's own process makes it)."""
+    from kvexp.app.compose import drop_backend_only, to_experiment  # kvexp only when a job needs it
+
+    exp = to_experiment(cfg)
+    exp = drop_backend_only(exp, list(vars(exp.backend)))  # the keys of other backends of the sweep
+    exp.output_dir = str(folder)
+    return exp
+
+
+def _finished(cfg: Any, folder: Path) -> bool:
+    """Whether a resumed sweep's job is finished in its folder (complete or skipped, of the same spec):
+    it is not submitted again, where it would wait in the queue for a GPU only to read its result."""
+    from kvexp.app.preflight import is_finished
+    from kvexp.results.store import RESULT_FILE, ResultError, load_document
+
+    try:
+        _, doc = load_document(folder / RESULT_FILE)
+    except (ResultError, OSError):
+        return False
+    return is_finished(doc, _experiment(cfg, folder))
+
+
+def _unrun(cfg: Any, folder: Path, why: str) -> str:
+    """A job that left no result file at all (cancelled while it was pending: it never started) gets a
+    failed result of its own, so that the sweep's exit status counts it, its report lists it and
+    `resume` runs it; its label. A result file that cannot be read is left as it is (its folder's name)."""
+    from kvexp.measure.runner import unrun_result
+    from kvexp.results.store import RESULT_FILE
+
+    if (folder / RESULT_FILE).exists():
+        return folder.name
+    return str(unrun_result(_experiment(cfg, folder), folder, why, status="failed")["label"])
 
 
 if SlurmLauncher is not None:
@@ -81,35 +120,51 @@ if SlurmLauncher is not None:
             sweep_dir = Path(str(self.config.hydra.sweep.dir))
             sweep_dir.mkdir(parents=True, exist_ok=True)
             log.info("Submitit 'slurm' sweep output dir : %s", sweep_dir)
+            numbered = [(num, list(o), self._job_config(list(o), num))
+                        for num, o in enumerate(job_overrides, initial_job_idx)]
+            kept = {num for num, _, cfg in numbered if cfg.get("resume") and _finished(cfg, self._folder(cfg))}
             params = []
-            for num, overrides in enumerate(job_overrides, initial_job_idx):
-                log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-                params.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
-            jobs = executor.map_array(self, *zip(*params))
-            return [self._outcome(job, list(o), num) for num, (o, job) in enumerate(zip(job_overrides, jobs),
-                                                                                   initial_job_idx)]
+            for num, overrides, _ in numbered:
+                log.info("\t#%d : %s%s", num, " ".join(filter_overrides(overrides)),
+                         "  (finished: kept, not submitted)" if num in kept else "")
+                if num not in kept:
+                    params.append((overrides, "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
+            jobs = dict(zip((p[2] for p in params), executor.map_array(self, *zip(*params)))) if params else {}
+            return [JobReturn(overrides=o, status=JobStatus.COMPLETED, working_dir=str(self._folder(cfg)))
+                    if num in kept else self._outcome(jobs[num], o, cfg) for num, o, cfg in numbered]
 
-        def _outcome(self, job: Any, overrides: list[str], num: int) -> JobReturn:
+        def _outcome(self, job: Any, overrides: list[str], cfg: Any) -> JobReturn:
             """The job's JobReturn; one that did not finish is logged in one line and recorded in its
             result, and returned as done (with no value) so that Hydra goes on with the sweep."""
             try:
                 ret = job.results()[0]
-                if ret.status != JobStatus.FAILED:
+                # scancel's SIGTERM reaches the server too, and submitit's handler ignores it in the job's
+                # own process: a cancelled job may still return in the grace before SIGKILL (its server
+                # "exited"). Slurm's own state, asked afresh, says what became of it.
+                if str(job.watcher.get_state(job.job_id, mode="force")).startswith(CUT_SHORT):
+                    why = _why(job)
+                elif ret.status != JobStatus.FAILED:
                     return ret
-                why = _failed(ret, job)
+                else:
+                    why = _failed(ret, job)
             except Exception:  # cancelled, timed out, node lost, or the job's process died: no JobReturn
                 why = _why(job)
-            folder = self._job_dir(overrides, num)
-            label = _record(folder, why) or folder.name
+            folder = self._folder(cfg)
+            label = _record(folder, why) or _unrun(cfg, folder, why)
             log.error("%s: %s", label, why)
             return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, working_dir=str(folder))
 
-        def _job_dir(self, overrides: list[str], num: int) -> Path:
-            """The folder Hydra gives job `num` of this sweep (hydra.sweep.dir / hydra.sweep.subdir)."""
+        def _job_config(self, overrides: list[str], num: int) -> Any:
+            """Job `num`'s config as Hydra composes it on the node."""
             assert self.config is not None and self.hydra_context is not None
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
             with open_dict(cfg.hydra.job):
                 cfg.hydra.job.num = num
+            return cfg
+
+        def _folder(self, cfg: Any) -> Path:
+            """The folder Hydra gives a job of this sweep (hydra.sweep.dir / hydra.sweep.subdir)."""
+            assert self.config is not None
             return Path(str(self.config.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
 
     # kvexp's settings of submitit_slurm (conf/), run by this launcher

@@ -152,7 +152,7 @@ def _failed_jobs(sweep: _Sweep) -> list[str]:
 def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from kvexp.measure.runner import run_job, skipped_result
+    from kvexp.measure.runner import run_job, unrun_result
     from kvexp.report.summary import write_job_summary
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -163,7 +163,7 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
         reason = check(cfg, kvs, sweep.multirun)
         if reason:
             log.warning("%s: skipped: %s", label, reason)
-            result = skipped_result(cfg, out_dir, reason)
+            result = unrun_result(cfg, out_dir, reason)
         else:
             log.info("%s: starting (output in %s)", label, out_dir)
             from kvexp.app.progress import make_observer

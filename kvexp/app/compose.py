@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from kvexp.app.checks import check_config, check_endpoint, check_host, register_configs
 from kvexp.app.helptext import defaults
@@ -158,7 +158,11 @@ def default_folder(overrides: list[str], multirun: bool) -> Path:
 
 
 def to_experiment(node: Any) -> ExperimentConfig:
-    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"]) if "hydra" in node else node
+    """The typed config of a composed node (Hydra's own `hydra` node, if there, left out)."""
+    if "hydra" in node:
+        node = node.copy()  # a copy keeps the schema (masked_copy would make it a plain dict)
+        with open_dict(node):
+            node.pop("hydra")
     return OmegaConf.to_object(node)
 
 

@@ -124,13 +124,20 @@ def existing_results(folder: Path, multirun: bool) -> dict[str, tuple[Path, Opti
     return out
 
 
+def is_finished(doc: dict[str, Any], cfg: ExperimentConfig) -> bool:
+    """Whether a job's result leaves a resume nothing to do: complete or skipped, of this spec, with no
+    quality measurement still to make."""
+    from kvexp.quality.measure import missing  # the quality stack is loaded only for a resume
+
+    return (doc.get("config_hash") == spec_hash(cfg) and doc.get("status") in ("complete", "skipped")
+            and not missing(cfg, doc))
+
+
 def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) -> Optional[str]:
     """How a run or sweep folder whose every job is finished reads ("its 4 jobs are finished (3
     complete, 1 skipped)"), or None when a resume has something left to do: a job without a result, a
     result of another spec, a partial or failed job, quality still to measure, a sweep without its
     summary (sweep.json)."""
-    from kvexp.quality.measure import missing  # the quality stack is loaded only for a resume
-
     if multirun and not (folder / "sweep.json").is_file():
         return None
     paths = {label: path for label, (path, _) in existing_results(folder, multirun).items()}
@@ -143,10 +150,9 @@ def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) ->
             _, doc = load_document(paths[label])
         except ResultError:
             return None
-        status = doc.get("status")
-        if doc.get("config_hash") != spec_hash(cfg) or status not in ("complete", "skipped") or missing(cfg, doc):
+        if not is_finished(doc, cfg):
             return None
-        counts[status] = counts.get(status, 0) + 1
+        counts[doc["status"]] = counts.get(doc["status"], 0) + 1
     what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     return (f"its {len(cfgs)} jobs are finished ({what})" if multirun else f"its job is finished ({what})")
 

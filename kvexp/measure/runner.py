@@ -134,7 +134,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     backend = backends.create(cfg)
     unsupported = backend.unsupported_reason()  # e.g. fp8 KV on this CPU
     if unsupported and skips_unsupported(cfg.unsupported, in_sweep):
-        return skipped_result(cfg, out_dir, unsupported)
+        return unrun_result(cfg, out_dir, unsupported)
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend))
@@ -528,11 +528,12 @@ def _learn(res: dict[str, Any]) -> None:
         log.warning("calibration: not updated from %s: %s", res["label"], e)
 
 
-def skipped_result(cfg: ExperimentConfig, out_dir: Path, reason: str) -> dict[str, Any]:
-    """A job that was not run (an unsupported backend/KV pair skipped, see config.skips_unsupported),
-    recorded as such."""
+def unrun_result(cfg: ExperimentConfig, out_dir: Path, reason: str, status: str = "skipped") -> dict[str, Any]:
+    """A job that was not run, recorded as such: "skipped" (an unsupported backend/KV pair, see
+    config.skips_unsupported) or "failed" (its scheduler never started it: a Slurm job cancelled while
+    it was pending; a resume runs it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = Job(cfg, out_dir, new_result(cfg, None))
-    job.result.update(status="skipped", status_reason=reason, finished_at=utc_now())
+    job.result.update(status=status, status_reason=reason, finished_at=utc_now())
     job.save()
     return job.result
