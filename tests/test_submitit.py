@@ -112,6 +112,10 @@ def test_slurm_launcher_config_asks_one_gpu_per_job():
     assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.partition == "gpu"
     # every key the plugin knows, and no other: a plugin upgrade that changes them shows here
     assert set(launcher) == {f.name for f in dataclasses.fields(SlurmQueueConf)}
+    # kvexp's subclass runs it: a cancelled job is a line and a failed result, not a traceback
+    from hydra_plugins.kvexp_launcher.slurm import TARGET, KvexpSlurmLauncher
+
+    assert launcher._target_ == TARGET and KvexpSlurmLauncher.__module__ + ".KvexpSlurmLauncher" == TARGET
 
 
 def test_job_statuses_count_a_job_that_left_no_result(tmp_path):
