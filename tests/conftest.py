@@ -4,6 +4,7 @@ tiny GGUF kvexp writes itself."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -11,6 +12,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so
+# would every kvexp the tests start and interrupt: they get Python's own handler back, as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT.parent / "shared" / "reference" / "rtx5070ti-qwen2.5-7b.json"

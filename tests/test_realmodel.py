@@ -287,6 +287,9 @@ def test_vllm_serves_smollm2_and_agrees_with_its_metrics(smollm2, tmp_path):
     print(f"\nvLLM SmolLM2 c=4: TTFT mean client {ttft:.2f} vs /metrics {server['ttft_mean_ms']} ms; TPOT mean "
           f"client {tpot:.3f} vs /metrics {server['tpot_mean_ms']} ms")
     assert server["requests"] == 12
-    assert ttft == pytest.approx(server["ttft_mean_ms"], rel=0.05)
+    # the client's TTFT holds what vLLM's histogram cannot see (the HTTP and JSON work of its frontend
+    # before the request is stamped, the stream's way back): never less than the server's, and at most
+    # 10 % more (quiet: under 5 %; 6.8 % beside a busy loop on one of the 2 cores)
+    assert server["ttft_mean_ms"] * 0.99 <= ttft <= server["ttft_mean_ms"] * 1.10
     if not lv["delivery"]["bursts"]:
         assert tpot == pytest.approx(server["tpot_mean_ms"], rel=0.05)

@@ -65,7 +65,7 @@ async def _sample_loop(conn: Any, adapter: Any, base_url: str, headers: Optional
                 if durations:
                     durations.sort()
                     window.poll_p50_ms = round(durations[len(durations) // 2] * 1000, 2)
-                conn.send(window)
+                conn.send((msg[1], window))  # answered with the request's number
                 window, durations = Window(interval_s=interval_s), []
             t = time.perf_counter()
             try:
@@ -101,6 +101,7 @@ class TelemetrySampler:
         self.adapter, self.base_url, self.headers, self.interval_s = adapter, base_url, headers, interval_s
         self._conn: Any = None
         self._proc: Any = None
+        self._asked = 0  # the number of the last window asked for
         self.start_error: Optional[str] = None
 
     def start(self) -> None:
@@ -117,13 +118,19 @@ class TelemetrySampler:
         self._conn = parent
 
     def window(self, timeout_s: float = 10.0) -> Window:
-        """The aggregates since the previous call (call once at a level's start to open its window)."""
+        """The aggregates since the previous call (call once at a level's start to open its window).
+        Each request is numbered: an answer that comes after its request timed out is dropped when it
+        arrives, never handed to the next level as its own (which would shift every later window)."""
         if self._conn is None or self._proc is None or not self._proc.is_alive():
             return Window(interval_s=self.interval_s, errors=[self.start_error or "the sampling process is not running"])
+        self._asked += 1
+        deadline = time.monotonic() + timeout_s
         try:
-            self._conn.send("window")
-            if self._conn.poll(timeout_s):
-                return self._conn.recv()
+            self._conn.send(("window", self._asked))
+            while self._conn.poll(max(0.0, deadline - time.monotonic())):
+                number, window = self._conn.recv()
+                if number == self._asked:
+                    return window
         except (OSError, EOFError):
             pass
         return Window(interval_s=self.interval_s, errors=["the sampling process did not answer"])

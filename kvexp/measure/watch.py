@@ -74,8 +74,7 @@ class ServerWatch:
         self.health_path = health_path
         self.stall_s = stall_s
         self.activity = activity  # each returns a value that changes whenever bytes flow
-        self.reason: Optional[str] = None
-        self.stopped = False  # the port refused the probe (else: hung)
+        self.found: Optional[ServerHung] = None  # what the watch found: the server hung or stopped
         self._seen = self._signature()
         self._last = time.monotonic()  # the quiet window runs from here, across sample() and guard()
 
@@ -110,7 +109,7 @@ class ServerWatch:
         return tuple(out)
 
     async def _watch(self) -> None:
-        """Returns once the server is hung or stopped listening (self.reason says how)."""
+        """Returns once the server is hung or stopped listening (self.found says how)."""
         probed = float("-inf")
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
@@ -123,9 +122,9 @@ class ServerWatch:
                 continue
             probed, answer = now, await self._probe()
             if answer == "refused":
-                self.reason = (f"server stopped listening: no bytes on any stream for {quiet:.0f} s and "
-                               f"{self.health_path} was refused a connection (the server is shutting down)")
-                self.stopped = True
+                self.found = ServerStopped(f"server stopped listening: no bytes on any stream for {quiet:.0f} s "
+                                           f"and {self.health_path} was refused a connection (the server is "
+                                           "shutting down)")
                 return
             quiet = time.monotonic() - self._last  # the probe took up to PROBE_TIMEOUT_S of the window
             if quiet < self.stall_s or self._signature() != self._seen:
@@ -133,8 +132,9 @@ class ServerWatch:
             if answer == "answers":
                 self._last = time.monotonic()  # slow, not hung: a fresh window
                 continue
-            self.reason = (f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
-                           f"{self.stall_s:g}) and {self.health_path} did not answer within {PROBE_TIMEOUT_S:g} s")
+            self.found = ServerHung(f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
+                                    f"{self.stall_s:g}) and {self.health_path} did not answer within "
+                                    f"{PROBE_TIMEOUT_S:g} s")
             return
 
     async def guard(self, work: Awaitable[T]) -> T:
@@ -153,7 +153,7 @@ class ServerWatch:
         task.cancel()
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
         watcher.result()  # a failure of the watch itself surfaces as itself
-        raise (ServerStopped if self.stopped else ServerHung)(self.reason or "server hung")
+        raise self.found or ServerHung("server hung")
 
 
 def hung_level_run(requests: list[tuple[Request, RequestRecord]], hung: ServerHung) -> LevelRun:
