@@ -8,6 +8,7 @@ job again. A job cancelled while still pending gets a failed result, fails the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -133,32 +134,45 @@ def test_the_slurm_sweep_prints_no_deprecation_notice(sweep):
 
 
 # ---------------------------------------------------------------- one job cancelled while it measures
-@pytest.fixture(scope="module")
-def cancelled(cluster, llama_server, tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("slurm_cancel")
+def slow_sweep(cluster, llama_server, cwd: Path, scenarios: str, *extra: str) -> tuple[subprocess.Popen, dict]:
+    """A sweep through `hydra/launcher=kvexp_slurm` with the slow scenario (from a test config folder),
+    once its slow job measures on its own server: the sweep's process and that job's scheduler record."""
     conf = cwd / "conf"
     (conf / "scenario").mkdir(parents=True)
     (conf / "scenario" / "slow.yaml").write_text(SLOW)
-    p = kvexp(cluster, ["-m", "scenario=smoke,slow", f"hydra.searchpath=[file://{conf}]",
-                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", *RESOURCES], cwd)
-    try:
-        sched, end = None, time.monotonic() + WAIT_S
-        while p.poll() is None and time.monotonic() < end:  # until the slow job measures, on its own server
-            log = next(cwd.glob(f"outputs/sweeps/*/1_{SLOW_LABEL}/kvexp.log"), None)
+    p = kvexp(cluster, ["-m", f"scenario={scenarios}", f"hydra.searchpath=[file://{conf}]",
+                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", *RESOURCES, *extra], cwd)
+    end = time.monotonic() + WAIT_S
+    with killed_on_failure(p):
+        while p.poll() is None and time.monotonic() < end:
+            log = next(cwd.glob(f"outputs/sweeps/*/*_{SLOW_LABEL}/kvexp.log"), None)
             if log and f"{SLOW_LABEL}: level 4:" in log.read_text(errors="replace"):
-                sched = json.loads((log.parent / "result.json").read_text())["environment"]["scheduler"]
-                break
+                return p, json.loads((log.parent / "result.json").read_text())["environment"]["scheduler"]
             time.sleep(0.5)
-        assert sched is not None, "the slow job never started measuring"
+        pytest.fail("the slow job never started measuring")
+
+
+@contextlib.contextmanager
+def killed_on_failure(p: subprocess.Popen):
+    """The sweep is killed when the block fails (a test that fails leaves no sweep running)."""
+    try:
+        yield
+    except BaseException:
+        p.kill()
+        p.communicate()
+        raise
+
+
+@pytest.fixture(scope="module")
+def cancelled(cluster, llama_server, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("slurm_cancel")
+    p, sched = slow_sweep(cluster, llama_server, cwd, "smoke,slow")
+    with killed_on_failure(p):
         servers = [q for q in cluster.job_processes(sched["job_id"]) if q.name().startswith("llama-server")]
         job = f"{sched['array_job_id']}_{sched['array_task_id']}"
         assert cluster.jobs().get(job) == "RUNNING"
         cancel = cluster.run("scancel", job)
         assert cancel.returncode == 0, cancel.stderr
-    except BaseException:
-        p.kill()
-        p.communicate()
-        raise
     rc, out, err = finish(p)
     return {"dir": sweep_dir(cwd), "rc": rc, "out": out, "err": err, "job": job, "sched": sched,
             "servers": servers, "cwd": cwd}
@@ -229,29 +243,12 @@ def pending(cluster, llama_server, tmp_path_factory):
     """A sweep of two jobs, one at a time (array_parallelism=1): the second is cancelled while the first
     measures, so it never starts and leaves no folder of its own; then the sweep is resumed."""
     cwd = tmp_path_factory.mktemp("slurm_pending")
-    conf = cwd / "conf"
-    (conf / "scenario").mkdir(parents=True)
-    (conf / "scenario" / "slow.yaml").write_text(SLOW)
-    p = kvexp(cluster, ["-m", "scenario=slow,smoke", f"hydra.searchpath=[file://{conf}]",
-                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", *RESOURCES,
-                        "hydra.launcher.array_parallelism=1"], cwd)
-    try:
-        job, end = None, time.monotonic() + WAIT_S
-        while p.poll() is None and time.monotonic() < end:
-            log = next(cwd.glob(f"outputs/sweeps/*/0_{SLOW_LABEL}/kvexp.log"), None)
-            if log and f"{SLOW_LABEL}: level 4:" in log.read_text(errors="replace"):
-                sched = json.loads((log.parent / "result.json").read_text())["environment"]["scheduler"]
-                job = f"{sched['array_job_id']}_1"
-                break
-            time.sleep(0.5)
-        assert job is not None, "the first job never started measuring"
+    p, sched = slow_sweep(cluster, llama_server, cwd, "slow,smoke", "hydra.launcher.array_parallelism=1")
+    job = f"{sched['array_job_id']}_1"
+    with killed_on_failure(p):
         assert cluster.jobs().get(job) == "PENDING", cluster.jobs()
         cancel = cluster.run("scancel", job)
         assert cancel.returncode == 0, cancel.stderr
-    except BaseException:
-        p.kill()
-        p.communicate()
-        raise
     rc, out, err = finish(p)
     d = sweep_dir(cwd)
     after_cancel = result(d / "1_llamacpp-tiny-fp16-smoke")
