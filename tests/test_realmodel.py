@@ -288,8 +288,13 @@ def test_vllm_serves_smollm2_and_agrees_with_its_metrics(smollm2, tmp_path):
           f"client {tpot:.3f} vs /metrics {server['tpot_mean_ms']} ms")
     assert server["requests"] == 12
     # the client's TTFT holds what vLLM's histogram cannot see (the HTTP and JSON work of its frontend
-    # before the request is stamped, the stream's way back): never less than the server's, and at most
-    # 10 % more (quiet: under 5 %; 6.8 % beside a busy loop on one of the 2 cores)
-    assert server["ttft_mean_ms"] * 0.99 <= ttft <= server["ttft_mean_ms"] * 1.10
-    if not lv["delivery"]["bursts"]:
+    # before the request is stamped, the stream's way back): never less than the server's
+    assert ttft >= server["ttft_mean_ms"] * 0.99
+    flags = {w["code"] for w in lv["warnings"]}
+    if lv["delivery"]["bursts"] or lv["client_limited"]:
+        # a starved machine (beside a busy core: loop lag p99 591 ms, first tokens 420 ms late) delivers
+        # late and in bursts: kvexp must flag the level instead of printing its client figures as findings
+        assert flags & {"bursts", "client_limited"}, flags
+    else:  # at most 10 % more (quiet: under 5 %; 6.8 % and 7.2 % beside a busy loop on one of the 2 cores)
+        assert ttft <= server["ttft_mean_ms"] * 1.10
         assert tpot == pytest.approx(server["tpot_mean_ms"], rel=0.05)
