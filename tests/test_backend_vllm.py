@@ -574,8 +574,11 @@ class TestRealServer:
               f"peak waiting {max(x.waiting for x in samples)}, polls {len(samples)}")
         assert all(r.ok for r in recs), [r.error for r in recs if not r.ok]
         assert all((r.prompt_tokens, r.output_tokens) == (200, 100) for r in recs)
-        assert peak >= 0.999
+        # vLLM preempts only when no block is free: the counter proves the full cache. The 100 ms polls see
+        # the cache in use and requests waiting; whether one lands on the full cache depends on the load
+        # (3 polls in the whole batch beside a busy core), so the sampled peak is only bounded here
         assert preempted > 0
+        assert 0 < peak <= 1
         assert max(x.waiting for x in samples) > 0
 
     def test_fast_sampling_sees_the_full_cache_in_every_run_that_preempts(self, vllm_servers: _Servers) -> None:

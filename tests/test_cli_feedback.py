@@ -236,6 +236,28 @@ def test_results_prints_an_aligned_table(fake, tmp_path, capsys):
     assert main(["results", str(folder), "--csv", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"csv: {out}"
     assert out.read_text().startswith("label,backend,")
+    assert main(["results", str(folder), "--csv", str(out)]) == 0  # its own CSV again: replaced
+    assert capsys.readouterr().out.strip() == f"csv: {out}"
+    # --csv OUT naming a result file, a request log or a folder: refused in one line, the file kept
+    log = next(folder.rglob("requests.jsonl"))
+    result = log.with_name("result.json")
+    before = {f: f.read_bytes() for f in (result, log)}
+    for dest, what in ((result, "is not a .csv file"), (log, "is not a .csv file"), (result.parent, "a folder"),
+                       ("", "a folder")):
+        assert main(["results", str(folder), "--csv", str(dest)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and what in err[0], err
+    assert {f: f.read_bytes() for f in before} == before
+    # the same run named twice (in its folder and as its file) is one run, not a tie with itself
+    assert main(["results", str(folder)]) == 0
+    once = capsys.readouterr().out
+    assert main(["results", str(folder), str(result)]) == 0
+    assert capsys.readouterr().out == once
+    # a report title that would clear the terminal or break a heading: refused before anything is written
+    assert main(["report", str(folder), "--title", "T\x1b[2J\nX", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'\\x1b' at position 1" in err[0], err
+    assert not (tmp_path / "r").exists()
 
 
 def test_results_of_other_tools_files_never_print_none_or_nan(capsys):
@@ -271,3 +293,14 @@ def test_client_advice_names_the_likely_cause():
     assert "set client.workers" not in loaded and "client.workers" not in loaded
     assert "8 %" in loaded and "machine was loaded" in loaded and "server shares the cores" in loaded
     assert "client.workers" in _limited(None)  # not recorded: both causes named
+
+
+def test_a_path_the_system_refuses_is_one_line(tmp_path, capsys):
+    """A folder name over 255 bytes makes the OS refuse the path itself (ENAMETOOLONG, even to ask whether
+    it is a folder): every command says so in one line naming it, not a traceback."""
+    long = tmp_path / ("x" * 300)
+    for argv in (["validate", str(long / "result.json")], ["results", str(long)], ["resume", str(long)],
+                 ["report", str(long), "--out", str(tmp_path / "r")]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"kvexp: {long}") and "File name too long" in err[0], (argv, err)

@@ -213,6 +213,21 @@ def test_no_overwrite_without_resume(fake, good_run, capsys):
     assert snapshot(good_run) == before
 
 
+def test_a_quoted_folder_is_the_one_checked(fake, tmp_path, capsys):
+    """A folder with a quote, given quoted and escaped as Hydra's grammar asks: the folder kvexp locks and
+    checks for results is the one Hydra writes into, so the second run is refused, the first kept."""
+    folder = tmp_path / "it's"
+    given = "hydra.run.dir='" + str(folder).replace("'", "\\'") + "'"
+    assert kvexp_main(f"backend.binary={fake}", given) == 0
+    capsys.readouterr()
+    before = snapshot(folder)
+    assert kvexp_main(f"backend.binary={fake}", "scenario.requests=4", given) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"kvexp: {folder}: already holds 1 result(s)"), line
+    assert snapshot(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["it's"]  # no folder named with the escape
+
+
 def test_lock_holder_is_read_from_proc_locks(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
                                f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"

@@ -23,7 +23,7 @@ from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, 
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
                                Unsupported, check_kv, job_label)
 from kvexp.core.paths import data_dir
-from kvexp.results.guards import MAX_NAME_CHARS
+from kvexp.results.guards import MAX_NAME_CHARS, hidden_char
 from kvexp.workload import scenario
 
 
@@ -87,7 +87,7 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None)
     label = job_label(cfg)  # every result, table and chart names the job by it; readers refuse longer ones
     _require(len(label) <= MAX_NAME_CHARS, f"the job's label is {len(label):,} characters (label, else "
              f"backend-model-kv-scenario), more than the {MAX_NAME_CHARS:,} a name may have: give a shorter label=")
-    hidden = next((i for i, c in enumerate(label) if not c.isprintable()), None)  # a newline, ESC, bidi override
+    hidden = hidden_char(label)
     _require(hidden is None, f"the job's label {label!r} holds {label[hidden or 0]!r} at position {hidden}: it names "
              "files, log lines and tables, so only printable characters are allowed")
     placement.plan(cfg)  # client.placement=split where there is nothing to split

@@ -334,6 +334,13 @@ def cmd_report(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<time>)")
     ap.add_argument("--title", default=None)
     args = ap.parse_args(argv)
+    from kvexp.results.guards import hidden_char
+
+    hidden = hidden_char(args.title or "")
+    if hidden is not None:
+        print(f"kvexp: report --title {args.title!r} holds {args.title[hidden]!r} at position {hidden}: it heads "
+              "every page, so only printable characters are allowed", file=sys.stderr)
+        return 1
     return quiet_on_signals("report", lambda: _report(args))
 
 
@@ -442,6 +449,13 @@ def cmd_results(argv: list[str]) -> int:
     from kvexp.core.paths import atomic_write
 
     out = Path(args.csv)
+    if not args.csv or out.is_dir():
+        print(f"kvexp: --csv {args.csv!r}: a folder, not a file name: give the CSV file to write", file=sys.stderr)
+        return 1
+    if out.exists() and out.suffix.lower() != ".csv":  # result.json, requests.jsonl: what was measured
+        print(f"kvexp: --csv {out}: exists and is not a .csv file; refusing to replace it (give a new name, "
+              "or one ending in .csv)", file=sys.stderr)
+        return 1
     try:
         atomic_write(out, text)
     except OSError as e:
@@ -513,22 +527,28 @@ SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        try:
-            return SUBCOMMANDS[argv[0]](argv[1:])
-        except KeyboardInterrupt:  # Ctrl-C in validate, results, plan, ...: one line (report and install say more)
-            return interrupted(f"kvexp {argv[0]}: interrupted by SIGINT", "SIGINT")
-    if "--version" in argv:
-        from kvexp.core import __version__
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            try:
+                return SUBCOMMANDS[argv[0]](argv[1:])
+            except KeyboardInterrupt:  # Ctrl-C in validate, results, plan, ...: one line (report and install say more)
+                return interrupted(f"kvexp {argv[0]}: interrupted by SIGINT", "SIGINT")
+        if "--version" in argv:
+            from kvexp.core import __version__
 
-        print(f"kvexp {__version__}")
-        return 0
-    from kvexp.app import helptext
+            print(f"kvexp {__version__}")
+            return 0
+        from kvexp.app import helptext
 
-    if helptext.wants_help(argv):
-        print(helptext.main_help())
-        return 0
-    return run_experiment(argv)
+        if helptext.wants_help(argv):
+            print(helptext.main_help())
+            return 0
+        return run_experiment(argv)
+    except OSError as e:  # a path the system refuses (a name over 255 bytes, a loop of links, ...): one line
+        if e.filename is None:
+            raise
+        print(f"kvexp: {printable(str(e.filename))}: {e.strerror}", file=sys.stderr)
+        return 1
 
 
 def entry() -> None:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+
 from kvexp.core.config import ConfigError, ExperimentConfig, job_label
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, spec_hash
 
@@ -43,9 +46,16 @@ def quote_path(path: Path) -> str:
 
 
 def dir_override(overrides: list[str], multirun: bool) -> Optional[str]:
+    """The folder the command line gives, as Hydra reads it (quotes and escapes undone: the folder locked
+    and checked here is the one Hydra writes into)."""
     key = DIR_KEYS[0] if multirun else DIR_KEYS[1]
-    found = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
-    return found[-1] if found else None
+    found = [o for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    if not found:
+        return None
+    try:
+        return str(OverridesParser.create().parse_override(found[-1]).value())
+    except OverrideParseException:  # Hydra's own parse of the same override says what is wrong
+        return found[-1].split("=", 1)[1].strip("'\"")
 
 
 def holder(path: Path) -> Optional[int]:
@@ -220,7 +230,7 @@ def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], E
         return list(argv), None  # Hydra only prints (help, the config): no folder is made or held
     multirun = "-m" in argv or "--multirun" in argv
     given = dir_override(overrides, multirun)
-    folder = Path(given.strip("'\"")).expanduser() if given else default_folder
+    folder = Path(given).expanduser() if given else default_folder
     folder = folder if folder.is_absolute() else Path.cwd() / folder
     resume = any(cfg.resume for _, cfg in jobs)
     if folder.is_dir():

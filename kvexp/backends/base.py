@@ -193,6 +193,10 @@ class Adapter:
     capabilities: ClassVar[Capabilities]
     cache_model: ClassVar[CacheModel]
     health_path: ClassVar[str] = "/health"
+    # what the hang watch asks while every stream is quiet: a path the server's engine loop answers
+    # itself, so an engine stuck behind live HTTP threads (that still answer health_path) counts as hung
+    # (None: health_path, where the server has no such path)
+    watch_path: ClassVar[Optional[str]] = None
     installable: ClassVar[bool] = False  # `python -m kvexp install <name>` builds or installs its server
 
     def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], program: Optional[str]):

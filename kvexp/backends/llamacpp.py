@@ -142,6 +142,10 @@ class LlamaCpp(Adapter):
                                 exposes_preemptions=False, logprobs=True,
                                 stream_keepalive=False)  # the server closes the connection after each stream
     cache_model = CacheModel(name="llamacpp", paged=False, cell_pad=CELL_PAD, default_slots=1)
+    # /slots is a task of the server's own loop (answered between the steps of a decode), where /health is
+    # answered by the HTTP threads alone: they still answer it when the loop is deadlocked, as it is when
+    # llama-server's SIGTERM handler takes the task-queue lock the interrupted main thread holds
+    watch_path = "/slots"
     b: LlamaCppConfig
 
     @classmethod

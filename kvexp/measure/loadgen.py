@@ -66,6 +66,7 @@ class LoadGenerator:
             self.headers["Connection"] = "close"
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
         self.reads = 0  # response reads so far on this event loop
+        self.from_workers = False  # the level running now sends from worker processes (their reads are not in reads)
         self.spin_window_s, self.spun_s = 0.0, 0.0  # this second of the run, and time spent yielding in it
         weakref.finalize(self, close_pools, self._pools)
 
@@ -264,7 +265,8 @@ class LoadGenerator:
         streams = concurrency if concurrency is not None else (max_concurrency or len(requests))
         setting = options.workers if options else 1
         workers = resolve_workers(setting, streams)
-        if runs_in_process(setting, workers, options.event_loop if options else "auto"):
+        self.from_workers = not runs_in_process(setting, workers, options.event_loop if options else "auto")
+        if not self.from_workers:
             return await self._run_here(requests, concurrency, offsets_s, max_concurrency, max_start_rate)
         assert options is not None
         pool = self._pools[0] if self._pools else None

@@ -331,8 +331,9 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                             request_timeout_s=s.request_timeout_s, stall_timeout_s=s.stall_timeout_s,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)
-    watch = ServerWatch(session, backend.health_path, s.stall_timeout_s,
-                        [lambda: lg.reads, process_tree_writes(sampler.pid)])  # its quiet window starts now
+    server_writes = process_tree_writes(sampler.pid)  # a coarser sign: its log lines, for worker processes' reads
+    watch = ServerWatch(session, backend.watch_path or backend.health_path, s.stall_timeout_s,
+                        [lambda: lg.reads, lambda: server_writes() if lg.from_workers else None])  # quiet from now
     cache_reset = await _reset_cache(backend, session) if scenario.resets_cache(s) else None
     counters_before = await watch.sample(backend.server_counters(session))
     before = await watch.sample(_sample(backend, session))

@@ -3,10 +3,14 @@
 Each request has its own stall timeout, but a level of 48 requests at concurrency 16 against a server
 that stopped answering (SIGSTOP, a deadlock, a wedged GPU) waits that timeout three times over. The
 watch looks at the server as a whole instead: when no bytes have arrived on any stream for
-`stall_timeout_s` (counted by the load generator's reads in this process, and by the bytes the server
-process tree has written, which also covers requests sent from worker processes) and the health
-probe does not answer either, the server is hung: the level is cut short and ServerHung raised.
-A server that is slow but answers its health probe is left alone.
+`stall_timeout_s` (counted by the load generator's reads when the level sends from this process; when it
+sends from worker processes, whose reads this process cannot see, by what the server's process tree
+writes through write(2), its log lines: socket sends are not counted there, and a server logs the
+requests a client gives up on, so that sign is kept to where there is no better one) and the probe
+does not answer either, the server is hung: the level is cut short and ServerHung raised.
+A server that is slow but answers its probe is left alone. The probe is the adapter's watch_path where
+it has one (llama-server's /slots, which its engine loop answers: its /health is answered by the HTTP
+threads even while that loop is deadlocked), else its health path.
 
 A server told to stop (SIGTERM to llama-server) closes its listener at once but may sit in its shutdown
 for minutes with every stream open and silent. So once the streams have been quiet for QUIET_PROBE_S,
@@ -49,7 +53,8 @@ class ServerStopped(ServerHung):
 
 
 def process_tree_writes(pid: Optional[int]) -> Callable[[], Optional[int]]:
-    """Bytes the process tree of pid has written so far (sockets included: /proc/PID/io wchar)."""
+    """Bytes the process tree of pid has written so far through write(2) and its kind (/proc/PID/io
+    wchar: log lines and files; send(2) on a socket is not counted)."""
     def read() -> Optional[int]:
         if pid is None:
             return None
@@ -68,10 +73,10 @@ def process_tree_writes(pid: Optional[int]) -> Callable[[], Optional[int]]:
 
 
 class ServerWatch:
-    def __init__(self, session: aiohttp.ClientSession, health_path: str, stall_s: float,
+    def __init__(self, session: aiohttp.ClientSession, probe_path: str, stall_s: float,
                  activity: list[Callable[[], Any]]):
         self.session = session
-        self.health_path = health_path
+        self.probe_path = probe_path
         self.stall_s = stall_s
         self.activity = activity  # each returns a value that changes whenever bytes flow
         self.found: Optional[ServerHung] = None  # what the watch found: the server hung or stopped
@@ -91,7 +96,7 @@ class ServerWatch:
         "refused" (nothing listens on the port) or "silent"."""
         try:
             timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-            async with self.session.get(self.health_path, timeout=timeout) as resp:
+            async with self.session.get(self.probe_path, timeout=timeout) as resp:
                 await resp.read()
                 return "answers"
         except aiohttp.ClientConnectorError as e:
@@ -123,7 +128,7 @@ class ServerWatch:
             probed, answer = now, await self._probe()
             if answer == "refused":
                 self.found = ServerStopped(f"server stopped listening: no bytes on any stream for {quiet:.0f} s "
-                                           f"and {self.health_path} was refused a connection (the server is "
+                                           f"and {self.probe_path} was refused a connection (the server is "
                                            "shutting down)")
                 return
             quiet = time.monotonic() - self._last  # the probe took up to PROBE_TIMEOUT_S of the window
@@ -133,7 +138,7 @@ class ServerWatch:
                 self._last = time.monotonic()  # slow, not hung: a fresh window
                 continue
             self.found = ServerHung(f"server hung: no bytes on any stream for {quiet:.0f} s (scenario.stall_timeout_s="
-                                    f"{self.stall_s:g}) and {self.health_path} did not answer within "
+                                    f"{self.stall_s:g}) and {self.probe_path} did not answer within "
                                     f"{PROBE_TIMEOUT_S:g} s")
             return
 

@@ -234,7 +234,7 @@ def vllm_level(doc: dict, source: str, where: str = "$") -> ForeignLevel:
     recorded = {k for k, v in lv.items() if v is not None}
     not_recorded = tuple(k for k in NOT_RECORDED[VLLM] if k not in recorded)
     model = str(doc.get("model_id") or "unknown model")
-    endpoint = doc.get("backend") or doc.get("endpoint_type")
+    endpoint = str(doc.get("backend") or doc.get("endpoint_type") or "")  # a run's key: text, whatever was written
     label = str(doc.get("label") or "")
     named = label if label and label != endpoint else model  # the label defaults to the endpoint type
     return ForeignLevel(VLLM, (VLLM, label, model, endpoint), named, model,
@@ -460,13 +460,20 @@ def levels_of(doc: Any, source: str) -> list[ForeignLevel]:
     """The levels of one parsed file (a list for a JSON-lines vLLM file); ForeignFormatError when it
     cannot be mapped."""
     tool = sniff(doc)
-    if tool == VLLM:
-        docs = doc if isinstance(doc, list) else [doc]
-        return [vllm_level(d, source, f"$[{i}]" if isinstance(doc, list) else "$") for i, d in enumerate(docs)]
-    if tool == GUIDELLM:
-        return guidellm_levels(doc, source)
-    if tool == AIPERF:
-        return [aiperf_level(doc, source)]
+    try:
+        if tool == VLLM:
+            docs = doc if isinstance(doc, list) else [doc]
+            return [vllm_level(d, source, f"$[{i}]" if isinstance(doc, list) else "$") for i, d in enumerate(docs)]
+        if tool == GUIDELLM:
+            return guidellm_levels(doc, source)
+        if tool == AIPERF:
+            return [aiperf_level(doc, source)]
+    except ForeignFormatError:
+        raise
+    except (TypeError, AttributeError, ValueError, OverflowError, KeyError, IndexError) as e:
+        # a field of a shape the mapping above does not check (a list for a name, a number for a section)
+        raise ForeignFormatError(f"{TOOL_NAMES[tool]} file with a field of a shape that tool does not write "
+                                 f"({type(e).__name__}: {e})") from None
     raise ForeignFormatError(EXPECTED)
 
 

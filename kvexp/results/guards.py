@@ -35,6 +35,12 @@ MAX_REQUESTS = 1_000_000  # requests in one level (the schema's bound)
 NOT_REGULAR = "not a regular file (a device, FIFO or socket); not a kvexp file"
 
 
+def hidden_char(text: str) -> Optional[int]:
+    """Where text first holds a character a terminal acts on (a newline, ESC, a bidi override); None if nowhere.
+    Names and titles are shown in files, log lines and tables, so they may hold only printable ones."""
+    return next((i for i, c in enumerate(text) if not c.isprintable()), None)
+
+
 class FileRefused(ValueError):
     """A file too large, not a regular file, or nested too deep; the message is one line."""
 

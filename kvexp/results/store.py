@@ -246,7 +246,8 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
             out.append(p)
         else:
             raise ResultError(f"{p}: no such file or folder")
-    return out
+    seen: set[Path] = set()  # a file named twice (itself and in its folder, say) is one run, read once
+    return [f for f in out if not (f.resolve() in seen or seen.add(f.resolve()))]
 
 
 def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
