@@ -106,7 +106,7 @@ config groups (group=option picks a file in conf/GROUP/; -m with a,b,c sweeps th
 {_groups()}
 
 examples:
-  python -m kvexp                                          the tiny model on llama-server (CPU), scenario smoke
+  python -m kvexp                                          SmolLM2-135M on llama-server (CPU), scenario cpu
   python -m kvexp -m backend=vllm,llamacpp kv=fp16,fp8     a sweep; pairs that cannot run are skipped, with why
                                                            (unsupported=error: refuse the sweep instead)
   python -m kvexp backend.endpoint=http://127.0.0.1:8080   attach to a running server
