@@ -11,7 +11,8 @@ import re
 from typing import Any, Optional
 
 from kvexp.results import foreign
-from kvexp.results.guards import MAX_LATENCY_MS, MAX_NAME_CHARS, MAX_RATE, MAX_REQUESTS, show
+from kvexp.results.guards import (MAX_LATENCY_MS, MAX_NAME_CHARS, MAX_RATE, MAX_REQUESTS, NOT_PRINTABLE, hidden_char,
+                                  show)
 
 
 class Fields:
@@ -53,6 +54,8 @@ class Fields:
         if isinstance(v, str) and len(v) > MAX_NAME_CHARS:
             self.errors.append(f"{where}.{key}: {len(v)} characters, more than the {MAX_NAME_CHARS} a name may "
                                "have (a report shows it in every table and chart)")
+        elif isinstance(v, str) and (at := hidden_char(v)) is not None:
+            self.errors.append(f"{where}.{key}: {v[at]!r} at position {at}: {NOT_PRINTABLE}")
 
     def ordered(self, where: str, values: list[tuple[str, Optional[float]]]) -> None:
         """Percentiles, lowest first: each at most the next."""

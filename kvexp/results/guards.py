@@ -35,6 +35,9 @@ MAX_REQUESTS = 1_000_000  # requests in one level (the schema's bound)
 NOT_REGULAR = "not a regular file (a device, FIFO or socket); not a kvexp file"
 
 
+NOT_PRINTABLE = "a name is shown in tables, logs and terminals, so it may hold only printable characters"
+
+
 def hidden_char(text: str) -> Optional[int]:
     """Where text first holds a character a terminal acts on (a newline, ESC, a bidi override); None if nowhere.
     Names and titles are shown in files, log lines and tables, so they may hold only printable ones."""
@@ -199,7 +202,8 @@ def _name_limit(keys: tuple) -> tuple[int, str]:
 
 
 def name_errors(doc: Any, names: tuple[tuple, ...], prefix: tuple = ()) -> list[tuple[tuple, str]]:
-    """(path, line) of each name longer than MAX_NAME_CHARS (a scenario's: MAX_SCENARIO_CHARS)."""
+    """(path, line) of each name longer than MAX_NAME_CHARS (a scenario's: MAX_SCENARIO_CHARS) or holding a
+    character a terminal acts on (a newline, ESC)."""
     out = []
     for keys in names:
         v = _get(doc, keys)
@@ -207,6 +211,8 @@ def name_errors(doc: Any, names: tuple[tuple, ...], prefix: tuple = ()) -> list[
         if isinstance(v, str) and len(v) > limit:
             out.append(((*prefix, *keys), f"{_path((*prefix, *keys))}: {len(v)} characters, more than the {limit} "
                                           f"{why}"))
+        elif isinstance(v, str) and (at := hidden_char(v)) is not None:
+            out.append(((*prefix, *keys), f"{_path((*prefix, *keys))}: {v[at]!r} at position {at}: {NOT_PRINTABLE}"))
     return out
 
 
