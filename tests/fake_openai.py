@@ -25,6 +25,9 @@ Faults (fake-only flags): --fault KIND applies to the completion requests number
   truncate   one token, then half a line, then the connection drops
   burst      the tokens are generated at --token-gap as usual but sent in one write at the end (a
              server that buffers its stream: the client sees every token arrive at once)
+  wedge      from this request on the engine is deadlocked (llama-server's own SIGTERM handler can do
+             that): /health still answers, /slots never does, and each completion request gets its
+             headers and, a second later, an empty end of stream (its HTTP thread giving up)
   never_ready  /health answers 503 for ever (not per request)
 --start-delay S: /health answers 503 for S seconds first. --token-gap S: time between tokens.
 SIGTERM or SIGINT: exit at once (status 0).
@@ -50,7 +53,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 BUILD = "b0-fake"
-FAULTS = ("crash", "stall", "http500", "http429", "reset", "malformed", "truncate", "burst", "never_ready")
+FAULTS = ("crash", "stall", "http500", "http429", "reset", "malformed", "truncate", "burst", "wedge", "never_ready")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -88,6 +91,7 @@ class Fake:
         self.deferred = 0
         self.prompt_total = 0
         self.predicted_total = 0
+        self.wedged = False  # fault wedge: the engine no longer answers
 
     # ------------------------------------------------------------ helpers
     def faulty(self, n: int) -> Optional[str]:
@@ -152,6 +156,8 @@ class Fake:
         return web.json_response({"prompt": text + "<|im_start|>assistant\n"})
 
     async def slots_view(self, request: web.Request) -> web.Response:
+        if self.wedged:
+            await asyncio.sleep(3600)
         n_ctx = self.args.ctx_size // self.args.parallel
         out = []
         for i, s in enumerate(self.slots):
@@ -183,6 +189,14 @@ class Fake:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             request.transport.abort()
             return web.Response()
+        self.wedged = self.wedged or fault == "wedge"
+        if self.wedged:
+            log("fake: wedged: no answer")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Connection": "close"})
+            await resp.prepare(request)
+            await asyncio.sleep(1.0)
+            await resp.write_eof()
+            return resp
         if chat:
             text = "".join(m.get("content", "") for m in body.get("messages", []))
             n_prompt = len(self.tokens(text, True)) + 8

@@ -6,6 +6,8 @@ likely cause. Jobs run on the fake llama-server (tests/fake_openai.py)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import re
@@ -238,6 +240,14 @@ def test_results_prints_an_aligned_table(fake, tmp_path, capsys):
     assert out.read_text().startswith("label,backend,")
     assert main(["results", str(folder), "--csv", str(out)]) == 0  # its own CSV again: replaced
     assert capsys.readouterr().out.strip() == f"csv: {out}"
+    # a label a spreadsheet would run as a formula is written as text
+    job = next(folder.glob("*/result.json"))
+    doc = json.loads(job.read_text())
+    doc["label"] = '=HYPERLINK("http://example.invalid","x")'
+    job.write_text(json.dumps(doc))
+    assert main(["results", str(job), "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert rows and all(row["label"] == "'" + doc["label"] for row in rows)
     # --csv OUT naming a result file, a request log or a folder: refused in one line, the file kept
     log = next(folder.rglob("requests.jsonl"))
     result = log.with_name("result.json")

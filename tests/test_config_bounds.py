@@ -105,6 +105,20 @@ REFUSED = [
     (["scenario.search=rate", "scenario.slo_ttft_ms=100", RATES[0], "scenario.rates=[0.001,1]", "scenario.requests=100"],
      "scenario.rates=[0.001, 1.0]: level 0.001 sends its 100 requests (scenario.requests) over 27.8 hours",
      "within a day"),
+    (["scenario.concurrency=[1,16]", "scenario.requests=8"], "scenario.concurrency=[1, 16]: level 16 never has that "
+     "many requests in flight, as a level sends 8 (scenario.requests)", "allowed: levels up to scenario.requests"),
+    (["scenario.search=concurrency", "scenario.slo_ttft_ms=100", "scenario.concurrency=[1,16]", "scenario.requests=8"],
+     "scenario.concurrency=[1, 16]: level 16 never has that many", ""),
+    # flags kvexp sets, in the other spellings the servers read
+    (["backend=vllm", "backend.extra_args=[--max_model_len,512]"], "backend.extra_args: --max_model_len is set by "
+     "kvexp itself", "use backend.context"),
+    (["backend=vllm", "backend.extra_args=[--max-model,512]"], "backend.extra_args: --max-model is set by kvexp itself",
+     "use backend.context"),
+    (["backend=vllm", "backend.extra_args=[--kv_cache_dtype,fp8]"], "backend.extra_args: --kv_cache_dtype is set", ""),
+    (["backend.extra_args=[--no-slots]"], "backend.extra_args: --no-slots is set by kvexp itself", "slots"),
+    (["backend.extra_args=[--log-disable]"], "backend.extra_args: --log-disable is set by kvexp itself", "log"),
+    (["+backend.env.LLAMA_ARG_KV_UNIFIED=1"], "backend.env.LLAMA_ARG_KV_UNIFIED: llama.cpp reads every LLAMA_ARG_* "
+     "variable as a command-line flag", "give the flag in backend.extra_args"),
     # 6. a label every reader would refuse
     (["label=" + "L" * 1001], "the job's label is 1,001 characters", "more than the 1,000 a name may have"),
     (["model.name=" + "m" * 1000], "the job's label is 1,020 characters", ""),
@@ -119,6 +133,17 @@ def test_refused_in_one_line_before_anything_starts(tmp_path, capsys, overrides,
     assert err[0].startswith(f"kvexp: {starts}"), err[0]
     assert holds in err[0]
     assert not (tmp_path / "run").exists() and not list(tmp_path.rglob("result.json"))
+
+
+def test_a_flag_variable_in_kvexps_environment_is_refused(tmp_path, capsys, monkeypatch):
+    """llama-server reads LLAMA_ARG_KV_UNIFIED from its environment, which kvexp passes on: the cache would
+    change while kvexp planned and recorded the other one."""
+    monkeypatch.setenv("LLAMA_ARG_KV_UNIFIED", "1")
+    assert kvexp_main(f"hydra.run.dir={tmp_path}/run") == 1
+    assert capsys.readouterr().err == ("kvexp: LLAMA_ARG_KV_UNIFIED=1 is set in kvexp's environment: llama.cpp reads "
+                                       "every LLAMA_ARG_* variable as a command-line flag, which kvexp neither plans "
+                                       "with nor records; unset it and give the flag in backend.extra_args\n")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides, starts", [
@@ -155,7 +180,7 @@ def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, st
     ["scenario.stall_timeout_s=86400", "scenario.request_timeout_s=86400", "backend.ready_timeout_s=86400"],
     ["scenario.slo_ttft_ms=86400000", "scenario.slo_tpot_ms=0.5"],
     [f"client.workers={CAP}", "scenario.max_start_rate=100000", "model.params_b=7.6", "model.weights_gib=4.5"],
-    [*SEARCH, "scenario.concurrency=[1,16]", "scenario.search_resolution=1"],
+    [*SEARCH, "scenario.concurrency=[1,16]", "scenario.requests=16", "scenario.search_resolution=1"],
     [*RATES, "scenario.max_concurrency=4"],
     ["scenario=trace", "scenario.time_scale=0.5"],
     ["kv=q4_0", "kv.per_backend.llamacpp=q4_0"],

@@ -455,5 +455,16 @@ def test_cleanup_stops_a_server_whose_kvexp_is_gone(tmp_path, monkeypatch, capsy
 
 def test_a_missing_model_file_is_refused_before_the_folder_is_made(tmp_path, capsys):
     assert kvexp_main("model=qwen2.5-7b", "model.gguf=/nonexistent.gguf", f"hydra.run.dir={tmp_path}/run") == 1
-    assert capsys.readouterr().err == "kvexp: model.gguf='/nonexistent.gguf': no such GGUF file for model=qwen2.5-7b\n"
+    assert capsys.readouterr().err == "kvexp: model.gguf='/nonexistent.gguf': no such file (a GGUF file is needed for model=qwen2.5-7b)\n"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_model_file_that_is_no_file_is_named_for_what_it_is(tmp_path, capsys, kind):
+    """A folder or a named pipe given as model.gguf: said as such (it used to be "no such file"), and a
+    FIFO is not opened (its read would wait for a writer)."""
+    path = tmp_path / "model.gguf"
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    assert kvexp_main("model=qwen2.5-7b", f"model.gguf={path}", f"hydra.run.dir={tmp_path}/run") == 1
+    what = "a folder, not a file" if kind == "folder" else "a named pipe (FIFO), not a regular file"
+    assert capsys.readouterr().err == f"kvexp: model.gguf='{path}': {what} (a GGUF file is needed for model=qwen2.5-7b)\n"

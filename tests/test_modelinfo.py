@@ -203,3 +203,19 @@ def test_split_gguf_weights_count_every_shard(tmp_path):
     for i in (1, 2, 3):
         _sparse(tmp_path / f"big-{i:05d}-of-00003.gguf", i * 1000)
     assert modelinfo.weights_bytes_on_disk(tmp_path / "big-00001-of-00003.gguf") == 6000
+
+
+def test_a_gguf_header_of_arrays_nested_deep_is_refused_as_corrupt(tmp_path):
+    """20,000 arrays each holding the next: one line naming the file (it used to be a RecursionError)."""
+    import struct
+
+    from kvexp.capacity import gguffile
+
+    key = b"general.x"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    nested = struct.pack("<IQ", 9, 1) * 20_000 + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(head + nested)
+    with pytest.raises(gguffile.GGUFError) as e:
+        gguffile.read_header(path)
+    assert str(e.value) == f"{path}: the GGUF header nests arrays more than 8 deep: a corrupt file"

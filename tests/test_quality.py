@@ -55,6 +55,8 @@ def test_quality_scenario_composes_without_speed_levels():
     ("quality.depths=[8]", "quality.depths=[8]: give context depths of at least 16 tokens"),
     ("quality.prompts=0", "quality.prompts=0: must be >= 1"),
     ("quality.text=/no/such/file.txt", "quality.text=/no/such/file.txt: no such file"),
+    ("quality.text=/tmp", "quality.text=/tmp: a folder, not a file"),
+    ("quality.text=/dev/null", "quality.text=/dev/null: a device or socket, not a regular file"),
     ("quality.baseline=fp9", "quality.baseline=fp9: no such KV option"),
     ("scenario.kind=fast", "scenario.kind='fast': allowed values are speed, quality"),
 ])
@@ -80,18 +82,19 @@ def _texts(folder: Path) -> dict[str, Path]:
     ("deep", "quality.depths=[512, 16384]: 16,384 is beyond model=tiny-quality's trained context of 8,192 tokens"),
     ("endpoint", "quality with backend.endpoint=http://127.0.0.1:9: kvexp cannot set an attached server's KV dtype"),
 ])
-def test_quality_inputs_that_cannot_give_a_figure_fail_the_job_before_any_server_starts(tmp_path, case, expected):
+def test_quality_inputs_that_cannot_give_a_figure_are_refused_before_anything_is_made(tmp_path, case, expected):
     """A Latin-1 text once gave PPL 3.3e115, a 12-byte one skipped every depth silently, a depth of 1e8
-    made llama-perplexity allocate 51 GB, and an attached f16 server's continuations were labelled q8_0."""
+    made llama-perplexity allocate 51 GB, and an attached f16 server's continuations were labelled q8_0.
+    Each is refused in one line before the run's folder is made (it used to leave a folder and a failed
+    result behind)."""
     paths = _texts(tmp_path)
     extra = {"deep": "quality.depths=[512,16384]", "endpoint": "backend.endpoint=http://127.0.0.1:9"}
     arg = extra.get(case, f"quality.text={paths.get(case)}")
     p = subprocess.run([sys.executable, "-m", "kvexp", "model=tiny-quality", "scenario=quality", arg,
                         f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]
-    r = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert r["status"] == "failed" and r["status_reason"].startswith(expected.format(**paths))
-    assert r["backend"]["launch_command"] is None and not (tmp_path / "run" / "server.log").exists()
+    assert p.stderr.startswith("kvexp: " + expected.format(**paths)) and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "run").exists()
 
 
 # --- llama.cpp ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -97,9 +98,30 @@ def test_dead_server_ends_the_job_at_once(tmp_path, fake_binary, pool):
     assert r["status_reason"] == "llamacpp server was killed by SIGKILL after 1 level(s); its last lines are in backend.log_tail"
     assert "fake: fault crash" in r["backend"]["log_tail"]
     assert [(lv["concurrency"], lv["status"]) for lv in r["levels"]] == [(1, "failed")]
-    sent = (tmp_path / "job" / "requests.jsonl").read_text().count('"warmup": false')
-    assert sent == 8  # the level in progress ends; no request goes to the next levels
+    rows = [json.loads(x) for x in (tmp_path / "job" / "requests.jsonl").read_text().splitlines()]
+    level = [q for q in rows if not q["warmup"]]
+    assert len(level) == 8  # the level in progress ends; no request goes to the next levels
+    # and none goes to the dead port after the first that was refused there: the others are not sent
+    refused = [q for q in level if q["error_kind"] == "connection" and q["sent_s"] is not None]
+    not_sent = [q for q in level if q["sent_s"] is None]
+    assert len(refused) <= 1 and not_sent and len(refused) + len(not_sent) + 3 >= 8, level
+    assert all(q["error"].startswith("not sent: connection refused by 127.0.0.1:") for q in not_sent)
     assert pool.current is None
+
+
+def test_a_wedged_server_whose_threads_drop_each_request_is_hung(tmp_path, fake_binary, pool):
+    """A deadlocked llama-server still takes connections and ends each request's stream empty after a
+    while: those empty ends are no sign of life, so the level ends one stall timeout after its last token
+    (it used to go on for as long as requests remained, each cut after the server's own timeout)."""
+    r, err = run(tmp_path, fake_binary, pool, faults("wedge", after=3), "scenario.concurrency=[2]",
+                 "scenario.requests=40", "scenario.stall_timeout_s=3")
+    quiet = re.match(r"server hung: no bytes on any stream for (\d+) s", str(err))
+    assert quiet and 3 <= int(quiet.group(1)) < 2 * 3, err  # one window, not a request's timeout after another
+    (lv,) = r["levels"]
+    assert lv["status"] == "failed" and lv["status_reason"].startswith("server hung"), lv["status_reason"]
+    rows = [json.loads(x) for x in (tmp_path / "job" / "requests.jsonl").read_text().splitlines()]
+    # each request the wedged server took ended after 1 s: 40 of them would take 20 s at concurrency 2
+    assert sum(q["sent_s"] is not None for q in rows if not q["warmup"]) < 20
 
 
 def test_a_dead_server_is_not_reused(tmp_path, fake_binary, pool):

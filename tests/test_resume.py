@@ -79,6 +79,29 @@ def test_only_missing_and_failed_levels_are_measured_again(tmp_path, fake, pool)
     assert sum(q["warmup"] for q in after) == 1
 
 
+def test_a_finished_repeat_is_kept_and_only_the_ones_after_it_are_measured(tmp_path, fake, pool):
+    """scenario.repeats=2, stopped during level 2's second repeat: its first repeat is kept (it used to be
+    measured again with the second), and the second sums up both."""
+    out = tmp_path / "job"
+    first = job(out, fake, pool, "scenario.repeats=2")
+    assert [(lv["concurrency"], lv["repeat"]) for lv in first["levels"]] == [(c, r) for c in (1, 2, 4) for r in (0, 1)]
+    kept = first["levels"][:3]
+    first["levels"], first["status"] = kept, "partial"
+    (out / "result.json").write_text(json.dumps(first))
+    before = [q for q in rows(out) if not q["warmup"] and (q["level"], q["repeat"]) in {(1, 0), (1, 1), (2, 0)}]
+    (out / "requests.jsonl").write_text("".join(json.dumps(q) + "\n" for q in before))
+    pool.release()
+
+    again = job(out, fake, pool, "scenario.repeats=2", "resume=true")
+    assert again["status"] == "complete"
+    assert again["levels"][:3] == kept
+    assert [(lv["concurrency"], lv["repeat"]) for lv in again["levels"]] == [(c, r) for c in (1, 2, 4) for r in (0, 1)]
+    assert again["levels"][3]["repeats"]["throughput_tok_s"]["n"] == 2  # level 2's second repeat sums up the kept first one too
+    after = [q for q in rows(out) if not q["warmup"]]
+    assert after[:12] == before
+    assert [(q["level"], q["repeat"]) for q in after[12:]] == [(2, 1)] * 4 + [(4, 0)] * 4 + [(4, 1)] * 4
+
+
 def test_a_changed_spec_is_refused(tmp_path, fake, pool):
     out = tmp_path / "job"
     job(out, fake, pool)

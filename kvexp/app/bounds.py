@@ -111,6 +111,11 @@ def check_levels(s: ScenarioConfig) -> None:
         require(not seen, f"{key}={levels}: level {seen[0] if seen else ''} is given twice; each level is measured "
                 "once per repeat (scenario.repeats repeats them); allowed: distinct levels")
         require(len(levels) <= MAX_LEVELS, f"{key}: {len(levels):,} levels; allowed at most {MAX_LEVELS:,} per job")
+    over = [c for c in s.concurrency  # (a level out of range is refused as such)
+            if isinstance(c, int) and isinstance(s.requests, int) and s.requests < c <= MAX_STREAMS]
+    require(not over or bool(s.trace), f"scenario.concurrency={list(s.concurrency)}: level {over[0] if over else ''} "
+            f"never has that many requests in flight, as a level sends {s.requests} (scenario.requests); allowed: "
+            "levels up to scenario.requests (or more requests)")
     rates = [x for x in s.rates if isinstance(x, (int, float)) and x > 0]
     if rates and isinstance(s.requests, int) and not s.trace:  # a level's requests go out over requests / rate
         span = s.requests / min(rates)

@@ -22,7 +22,7 @@ from kvexp.core import placement
 from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, ClientConfig, ConfigError,
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
                                Unsupported, check_kv, job_label)
-from kvexp.core.paths import data_dir
+from kvexp.core.paths import data_dir, file_problem
 from kvexp.results.guards import MAX_NAME_CHARS, hidden_char
 from kvexp.workload import scenario
 
@@ -245,5 +245,6 @@ def check_quality(q: QualityConfig) -> None:
         _in(f"quality.{key}", getattr(q, key), 1, hi)
     _require((data_dir("conf") / "kv" / f"{q.baseline}.yaml").is_file(),
              f"quality.baseline={q.baseline}: no such KV option (one of conf/kv/*.yaml, e.g. fp16)")
-    _require(q.text is None or Path(q.text).expanduser().is_file(),
-             f"quality.text={q.text}: no such file (give a UTF-8 text file, or leave it unset for kvexp's own)")
+    problem = None if q.text is None else file_problem(Path(q.text).expanduser())
+    _require(problem is None,
+             f"quality.text={q.text}: {problem} (give a UTF-8 text file, or leave it unset for kvexp's own)")

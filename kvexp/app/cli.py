@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +63,7 @@ def run_experiment(argv: list[str]) -> int:
 
         launched.report_leftovers()
         try:
-            from kvexp import backends
-            from kvexp.measure.runner import auth_headers
+            from kvexp.app import preflight
 
             stray = [a for a in overrides if "=" not in a and not a.startswith("~")]
             if stray:
@@ -76,13 +76,9 @@ def run_experiment(argv: list[str]) -> int:
             for _, cfg in jobs:
                 reason = check(cfg, kvs, multirun)
                 if reason is None:
-                    if not cfg.backend.endpoint:
-                        backends.adapter_class(cfg.backend.name).locate_program(cfg)
-                    auth_headers(cfg)
+                    preflight.check_job(cfg)
                 else:
                     skipped.append((job_label(cfg), reason))
-            from kvexp.app import preflight
-
             argv, folder = preflight.prepare(argv, overrides, jobs, default_folder(jobs[0][0], multirun))
         except ConfigError as e:
             return _refused(e)
@@ -98,6 +94,7 @@ def run_experiment(argv: list[str]) -> int:
 
         sys.argv = [sys.argv[0], *argv]
         app()
+        process.raise_if_interrupted()
     except KeyboardInterrupt as e:
         process.stop_all()
         name = str(e) or "SIGINT"
@@ -529,10 +526,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] in SUBCOMMANDS:
-            try:
-                return SUBCOMMANDS[argv[0]](argv[1:])
-            except KeyboardInterrupt:  # Ctrl-C in validate, results, plan, ...: one line (report and install say more)
-                return interrupted(f"kvexp {argv[0]}: interrupted by SIGINT", "SIGINT")
+            from kvexp.app.interrupts import quiet_on_signals
+
+            command, rest = SUBCOMMANDS[argv[0]], argv[1:]
+            return quiet_on_signals(argv[0], lambda: command(rest))  # SIGINT, TERM or HUP: one line
         if "--version" in argv:
             from kvexp.core import __version__
 
@@ -544,6 +541,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(helptext.main_help())
             return 0
         return run_experiment(argv)
+    except KeyboardInterrupt as e:  # a signal before the command put its own handlers in place
+        name = str(e) if str(e) in signal.Signals.__members__ else "SIGINT"
+        return interrupted(f"kvexp{' ' + argv[0] if argv and argv[0] in SUBCOMMANDS else ''}: interrupted by {name}",
+                           name)
     except OSError as e:  # a path the system refuses (a name over 255 bytes, a loop of links, ...): one line
         if e.filename is None:
             raise

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvexp.assets import install
-from kvexp.backends.process import HANDLED, Interrupted, ignore_repeats, restore_signals
+from kvexp.backends.process import (end_by, interrupt_answered, raise_if_interrupted, raise_on_signals,
+                                    restore_signals)
 
 
 def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Callable[[], str]] = None) -> int:
@@ -25,12 +26,13 @@ def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Ca
     def on_signal(signum: int, frame: object) -> None:
         if os.getpid() != me:  # a forked worker: its parent has the same signal and ends the work
             os._exit(128 + signum)
-        ignore_repeats()
-        raise Interrupted(signal.Signals(signum).name)
+        end_by(signum)
 
-    handlers = {sig: signal.signal(sig, on_signal) for sig in HANDLED}
+    handlers = raise_on_signals(on_signal)
     try:
-        return work()
+        status = work()
+        raise_if_interrupted()
+        return status
     except KeyboardInterrupt as e:
         name = str(e) if str(e) in signal.Signals.__members__ else "SIGINT"
         return interrupted(f"kvexp {command}: interrupted by {name}{cleanup() if cleanup else ''}", name)
@@ -39,7 +41,9 @@ def quiet_on_signals(command: str, work: Callable[[], int], cleanup: Optional[Ca
 
 
 def interrupted(line: str, name: str) -> int:
-    """Say how a signal ended the command, in one line on stderr, and return its exit status (128+signal)."""
+    """Say how a signal ended the command, in one line on stderr, and return its exit status (128+signal).
+    The signal is then answered: a command around this one (resume around a run) says nothing more."""
+    interrupt_answered()
     try:
         print(line, file=sys.stderr)
     except OSError:  # SIGHUP: the terminal may be gone

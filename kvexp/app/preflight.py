@@ -210,6 +210,26 @@ def check_resume(folder: Path, multirun: bool, overrides: list[str],
                       f"python -m kvexp {' '.join(shlex.quote(a) for a in fresh)}")
 
 
+def check_job(cfg: ExperimentConfig) -> None:
+    """What a job would refuse once it runs, refused before any folder is made: the server program and
+    model, the adapter's own rules (Ollama's KV types and variables), the API key, and the quality inputs
+    (the evaluation text, the depths against the model's context, an attached server)."""
+    from kvexp import backends
+    from kvexp.backends.base import auth_headers
+    from kvexp.planning import prediction
+    from kvexp.quality.inputs import check_inputs
+    from kvexp.quality.measure import wanted
+
+    backend = backends.create(cfg)
+    auth_headers(cfg)
+    if wanted(cfg):
+        try:
+            arch = prediction.model_arch(cfg, backend.spec)
+        except (ValueError, OSError):  # unreadable model files: the job says so, and checks what it can
+            arch = None
+        check_inputs(cfg, arch)
+
+
 def check_model_file(cfg: ExperimentConfig) -> None:
     """A model file that does not exist is refused now, not once the job's folder exists (the adapter
     checks it again when it resolves the model)."""

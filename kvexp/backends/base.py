@@ -284,11 +284,29 @@ class Adapter:
             if not b.endpoint and var in os.environ and var not in b.env:
                 raise ConfigError(f"{var}={os.environ[var]} is set in kvexp's environment: it changes "
                                   f"{cls.display_name}'s numbers without being recorded; unset it and use {instead}")
+        prefix = cls.flag_env_prefix
+        if prefix and not b.endpoint:  # a flag by another name, which kvexp would neither see nor record
+            why = (f"{cls.display_name} reads every {prefix}* variable as a command-line flag, which kvexp neither "
+                   "plans with nor records")
+            given = sorted(k for k in b.env if k.startswith(prefix))
+            if given:
+                raise ConfigError(f"backend.env.{given[0]}: {why}; give the flag in backend.extra_args")
+            inherited = sorted(k for k in os.environ if k.startswith(prefix))
+            if inherited:
+                raise ConfigError(f"{inherited[0]}={os.environ[inherited[0]]} is set in kvexp's environment: {why}; "
+                                  "unset it and give the flag in backend.extra_args")
         for arg in b.extra_args:  # a flag kvexp sets itself: given again, the server would take one of the two
             flag = str(arg).split("=", 1)[0]
-            if flag in cls.managed_flags:
+            managed = cls.managed_flag(flag)
+            if managed:
                 raise ConfigError(f"backend.extra_args: {flag} is set by kvexp itself (its value is measured, "
-                                  f"recorded and hashed); use {cls.managed_flags[flag]}")
+                                  f"recorded and hashed); use {cls.managed_flags[managed]}")
+
+    @classmethod
+    def managed_flag(cls, flag: str) -> Optional[str]:
+        """The managed flag (a key of managed_flags) that `flag` is a spelling of, as the server's parser
+        reads it, else None."""
+        return flag if flag in cls.managed_flags else None
 
     @property
     def stream_keepalive(self) -> bool:
@@ -378,6 +396,8 @@ class Adapter:
     numerics_env: ClassVar[dict[str, str]] = {}
     # the server's command-line flags kvexp sets (every spelling) -> the setting to use instead
     managed_flags: ClassVar[dict[str, str]] = {}
+    # the prefix of the environment variables the server reads as command-line flags (None: it reads none)
+    flag_env_prefix: ClassVar[Optional[str]] = None
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         """The launch settings besides the KV dtype that change the server's numbers with KV type

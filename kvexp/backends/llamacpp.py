@@ -23,7 +23,7 @@ from kvexp.backends.prometheus import parse_metrics
 from kvexp.capacity import gguffile, modelinfo
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
-from kvexp.core.paths import cache_dir
+from kvexp.core.paths import cache_dir, file_problem
 from kvexp.workload import scenario
 
 KV_LINE = re.compile(
@@ -123,8 +123,9 @@ def check_gguf_model(cfg: ExperimentConfig) -> None:
     if gguf in embedded.WHEEL_MODELS:
         embedded.gguf_file(gguf)  # installed, else the one-line error saying how
     elif not embedded.is_embedded(gguf):
-        if not gguf or not Path(gguf).expanduser().is_file():
-            raise ConfigError(f"model.gguf={gguf!r}: no such GGUF file for model={cfg.model.name}")
+        problem = file_problem(Path(gguf).expanduser()) if gguf else "no such file"
+        if problem:
+            raise ConfigError(f"model.gguf={gguf!r}: {problem} (a GGUF file is needed for model={cfg.model.name})")
         try:
             gguffile.read_header(Path(gguf).expanduser())
         except gguffile.GGUFError as e:
@@ -288,9 +289,11 @@ class LlamaCpp(Adapter):
         **dict.fromkeys(("-fa", "--flash-attn"), "backend.flash_attn"),
         **dict.fromkeys(("-t", "--threads"), "backend.threads"),
         **dict.fromkeys(("-ngl", "--gpu-layers", "--n-gpu-layers"), "backend.n_gpu_layers"),
-        **dict.fromkeys(("-lv", "--verbosity", "--log-verbosity", "--metrics", "--slots", "--slot-save-path"),
+        **dict.fromkeys(("-lv", "--verbosity", "--log-verbosity", "--metrics", "--slots", "--no-slots",
+                         "--slot-save-path", "--log-disable"),
                         "nothing: kvexp reads the server's log, metrics and slots through them"),
     }
+    flag_env_prefix = "LLAMA_ARG_"  # LLAMA_ARG_CTX_SIZE, LLAMA_ARG_KV_UNIFIED, ... (llama.cpp's common/arg.cpp)
 
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         out = {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}

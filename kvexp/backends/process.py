@@ -9,6 +9,7 @@ SIGTERM and SIGHUP into an `Interrupted` exception in the main thread, so that e
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -19,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from kvexp.backends import launched
 from kvexp.backends.base import BackendError
@@ -28,7 +29,8 @@ _LIVE: set["ServerProcess"] = set()
 # SIGHUP (a closed terminal or ssh session) ends kvexp like Ctrl-C: servers stopped, results kept
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPT_GRACE_S = 3.0
-_interrupted = False
+_interrupted: Optional[str] = None  # the signal that ended this command (its name), once one has
+_answered = False  # and the command has said so
 
 
 class Interrupted(KeyboardInterrupt):
@@ -189,18 +191,55 @@ def ignore_repeats() -> None:
 
 
 def _on_signal(signum: int, frame: object) -> None:
-    global _interrupted
-    _interrupted = True
-    ignore_repeats()
     # the exception lands in whichever asyncio task runs; the tasks it cuts short would each log an error
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    raise Interrupted(signal.Signals(signum).name)
+    end_by(signum)
 
 
-def raise_on_signals() -> dict[int, object]:
-    """SIGINT, SIGTERM and SIGHUP raise Interrupted in the main thread from now on; returns the handlers they
-    replace (for signal.signal, to restore them)."""
-    return {sig: signal.signal(sig, _on_signal) for sig in HANDLED}
+def end_by(signum: int) -> None:
+    """The first signal ends the command: it decides the line and the exit status (later ones are
+    ignored) and is raised as Interrupted."""
+    global _interrupted
+    _interrupted = signal.Signals(signum).name
+    ignore_repeats()
+    deliver(Interrupted(_interrupted))
+
+
+def deliver(exc: BaseException) -> None:
+    """Raise exc (a signal's Interrupted) where nothing swallows it. Raised from the handler while an event
+    loop runs, it lands in whatever code the signal cut (aiohttp's response parser hands it to that one
+    response as a payload error, and the run went on), so there it is raised by a callback of the loop
+    itself, which asyncio lets through to the code that runs the loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise exc from None
+
+    def throw() -> None:
+        raise exc
+
+    loop.call_soon_threadsafe(throw)
+
+
+def interrupt_answered() -> None:
+    """The command the signal ended has said so (raise_if_interrupted has nothing more to raise)."""
+    global _answered
+    _answered = True
+
+
+def raise_if_interrupted() -> None:
+    """A checkpoint for a signal that was swallowed all the same (in a finalizer or a garbage-collector
+    callback, whose exceptions Python only prints): it ends the command here."""
+    if _interrupted is not None and not _answered:
+        raise Interrupted(_interrupted)
+
+
+def raise_on_signals(handler: Callable[[int, object], None] = _on_signal) -> dict[int, object]:
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted in the main thread from now on (through `handler`, which
+    ends in end_by); returns the handlers they replace (for signal.signal, to restore them)."""
+    global _interrupted, _answered
+    _interrupted, _answered = None, False
+    return {sig: signal.signal(sig, handler) for sig in HANDLED}
 
 
 _process_exits = False  # kvexp runs as its own process (kvexp.app.cli.entry), which ends with the command

@@ -454,6 +454,15 @@ class VLLM(Adapter):
         "--enforce-eager": "backend.enforce_eager",
     }
 
+    @classmethod
+    def managed_flag(cls, flag: str) -> Optional[str]:
+        """vLLM's parser reads `--max_model_len` as `--max-model-len`, and Python's argparse takes a
+        prefix of a long option (`--max-model`) for the option."""
+        if not flag.startswith("--") or len(flag) < 4:
+            return None
+        name = "--" + flag[2:].replace("_", "-")
+        return next((m for m in cls.managed_flags if m == name or m.startswith(name)), None)
+
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         out = {"dtype": self.b.dtype or "the model's (config.json)", "block_size": self.b.block_size,
                "enforce_eager": self.b.enforce_eager}

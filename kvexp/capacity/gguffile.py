@@ -26,6 +26,7 @@ MAX_HEADER_ITEMS = 1 << 24  # a count above this is a corrupt file, not a model
 # value types (gguf's GGUFValueType): fixed-size scalars as struct formats
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: llama.cpp writes none; deeper is a corrupt (or hostile) file
 
 
 class GGUFError(ValueError):
@@ -83,16 +84,18 @@ class _Cursor:
         n = self.count()  # (not `self.pos += self.count()`: that adds to the position before the count)
         self.pos += n
 
-    def value(self, vtype: int, keep_arrays: bool) -> Any:
+    def value(self, vtype: int, keep_arrays: bool, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.take(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype != _ARRAY:
             raise GGUFError(f"{self.path}: unknown GGUF value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{self.path}: the GGUF header nests arrays more than {MAX_ARRAY_DEPTH} deep: a corrupt file")
         etype, n = self.take("<I"), self.count()
         if keep_arrays and n <= 1024:  # short arrays (per-layer head counts) are kept
-            return [self.value(etype, False) for _ in range(n)]
+            return [self.value(etype, False, depth + 1) for _ in range(n)]
         if etype in _SCALAR:
             self.pos += n * struct.calcsize(_SCALAR[etype])
         elif etype == _STRING:
@@ -100,7 +103,7 @@ class _Cursor:
                 self.skip_string()
         else:
             for _ in range(n):
-                self.value(etype, False)
+                self.value(etype, False, depth + 1)
         if self.pos > len(self.buf):
             raise GGUFError(f"{self.path}: the GGUF header is cut short (truncated file?)")
         return None

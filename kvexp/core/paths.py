@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 _PKG = Path(__file__).resolve().parent.parent  # kvexp/
 
@@ -27,6 +29,26 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def file_problem(path: Path) -> Optional[str]:
+    """Why path is not a regular file kvexp can read, in a few words ("no such file", "a folder, not a
+    file", ...); None when it is one."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    if stat.S_ISDIR(mode):
+        return "a folder, not a file"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO), not a regular file"
+    if not stat.S_ISREG(mode):
+        return "a device or socket, not a regular file"
+    if not os.access(path, os.R_OK):
+        return "cannot be read: Permission denied"
+    return None
 
 
 def data_dir(name: str) -> Path:

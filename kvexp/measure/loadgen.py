@@ -67,6 +67,9 @@ class LoadGenerator:
         self._pools: list[WorkerPool] = []  # at most one, kept across levels
         self.reads = 0  # response reads so far on this event loop
         self.from_workers = False  # the level running now sends from worker processes (their reads are not in reads)
+        # the first connection the server's port refused, this level: nothing listens there, so the level
+        # sends nothing more (the runner asks the port again; a worker process does the same on its own)
+        self.refused: Optional[str] = None
         self.spin_window_s, self.spun_s = 0.0, 0.0  # this second of the run, and time spent yielding in it
         weakref.finalize(self, close_pools, self._pools)
 
@@ -96,6 +99,10 @@ class LoadGenerator:
     async def send(self, req: Request, rec: RequestRecord, data: Optional[bytes] = None) -> RequestRecord:
         """Send one streaming request and time it. Never raises for a failed request. `data` is the
         request body already encoded (pre_encode), so that encoding stays off the measured path."""
+        if self.refused is not None:  # nothing listens on the server's port: no request goes to it
+            rec.error_kind, rec.error = "connection", f"not sent: {self.refused}"
+            self.observer.request_done(rec)
+            return rec
         if data is None:
             data = pre_encode(req)
         headers = self.headers
@@ -124,10 +131,10 @@ class LoadGenerator:
                     rest = b""
                     while True:
                         chunk = await read()
-                        self.reads += 1  # the server watch's sign of life (kvexp/measure/watch.py)
                         if not chunk:
                             lines = [rest] if rest else []
                         else:
+                            self.reads += 1  # the server watch's sign of life (a closed stream is none)
                             t = perf() - origin  # every line of this read arrived now
                             lines = (rest + chunk if rest else chunk).split(b"\n")
                             rest = lines.pop()  # an unfinished line waits for the next read
@@ -167,6 +174,9 @@ class LoadGenerator:
             rec.error_kind, rec.error = "protocol", f"truncated or malformed response: {e}"
         except (aiohttp.ClientError, OSError) as e:
             rec.error_kind, rec.error = "connection", f"{type(e).__name__}: {e}"
+            if isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError):
+                rec.error = f"connection refused by {e.host}:{e.port}"  # aiohttp's text names TLS it did not use
+                self.refused = self.refused or rec.error
         rec.done_s = perf() - origin
         if wrote:  # also when the request failed after it went out
             rec.sent_s = wrote[0] - origin
@@ -183,6 +193,7 @@ class LoadGenerator:
         the start-rate cap, when one is given: the wait is client-side queueing)."""
         if bodies is None:
             bodies = [pre_encode(r) for r, _ in requests]
+        self.refused = None
         queue = list(reversed(range(len(requests))))
 
         async def stream() -> None:
@@ -203,6 +214,7 @@ class LoadGenerator:
         turn t-1 has ended (during the think time) and is due think_s[t] after that end, so time spent
         building it beyond the think time is client-side queueing. A failed turn ends its
         conversation (the turns after it are not sent)."""
+        self.refused = None
         queue = list(reversed(range(len(conversations))))
         records: list[RequestRecord] = []
 
@@ -234,6 +246,7 @@ class LoadGenerator:
         client-side queueing: sent_s - scheduled_s)."""
         if bodies is None:
             bodies = [pre_encode(r) for r, _ in requests]
+        self.refused = None
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         start = self.now() if start_s is None else start_s
 

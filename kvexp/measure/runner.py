@@ -19,7 +19,7 @@ from kvexp import backends
 from kvexp.assets import embedded
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo, auth_headers
 from kvexp.backends.pool import Server, ServerPool
-from kvexp.backends.process import tail
+from kvexp.backends.process import raise_if_interrupted, tail
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import ModelArch
 from kvexp.core import machine, placement
@@ -172,6 +172,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         job.save()
         with placement.client_side(backend.placement):  # the server on its CPUs, the client on the others
             asyncio.run(_measure(job, backend, server, observer, arch))
+        raise_if_interrupted()
         if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
         failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
@@ -203,7 +204,7 @@ def _resume(job: Job) -> bool:
     res = job.result
     prev = previous_result(job.result_path, res["config_hash"])
     job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
-    if prev and all(v in job.kept for _, v in job.plan):
+    if prev and all(len(job.kept.get(v, [])) == job.cfg.scenario.repeats for _, v in job.plan):
         if prev["status"] != "complete" and not quality.missing(job.cfg, prev):  # stopped after its last level
             prev.update(status="complete", status_reason=None)
             write_json(job.result_path, prev, "result")
@@ -292,15 +293,18 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
             obj = search.objectives(s)
             searcher = search.Search(obj, search.scenario_grid(s), lambda: res["levels"]) if obj else None
             for kind, value in searcher or job.plan:
-                if value in job.kept:
-                    continue  # finished by an earlier run of this job (resume)
-                for repeat in range(s.repeats):
+                # the repeats an earlier run of this job finished are kept (resume)
+                for repeat in range(len(job.kept.get(value, [])), s.repeats):
+                    raise_if_interrupted()
                     _check_alive(server)
                     if server is None:
                         await _check_attached(backend, session)
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
                     job.add_level(summary)
+                    if observer:  # once it is saved: a signal after its line loses nothing the line showed
+                        observer.level_done(value, summary)
+                    _check_alive(server)  # a server that died says so, rather than that it stopped answering
                     raise_if_hung(summary)
             _check_alive(server)
             res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
@@ -353,6 +357,8 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
             level_run = lg.run_level(reqs, offsets_s=offsets, max_concurrency=s.max_concurrency,
                                      max_start_rate=s.max_start_rate, options=options)
         run = await watch.guard(level_run)
+        if lg.refused is not None:  # the level stopped sending at a refused connection: is the port shut?
+            hung = await watch.refusal(lg.refused)
     except ServerHung as e:
         hung, run = str(e), hung_level_run(reqs, e)
     records = run.records
@@ -419,10 +425,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         len(maker.entries) if s.dataset else None, s.requests)
     env = job.result["environment"]
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
-    out = level.to_json()
-    if observer:
-        observer.level_done(value, out)
-    return out
+    return level.to_json()
 
 
 async def _reset_cache(backend: Adapter, session: aiohttp.ClientSession) -> dict[str, Any]:

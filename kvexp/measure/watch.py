@@ -104,6 +104,15 @@ class ServerWatch:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return "silent"
 
+    async def refusal(self, error: str) -> Optional[str]:
+        """After a level whose load generator met a refused connection (and sent nothing more): the
+        reason the server stopped listening when its port still refuses, else None (a passing refusal: the
+        level's requests that were not sent count as failed)."""
+        if await self._probe() != "refused":
+            return None
+        return (f"server stopped listening: {error}, then for {self.probe_path} too; the level's other "
+                "requests were not sent")
+
     def _signature(self) -> tuple:
         out = []
         for read in self.activity:

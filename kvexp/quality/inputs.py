@@ -11,6 +11,7 @@ from typing import Optional
 from kvexp.assets import evaltext
 from kvexp.capacity.planner import ModelArch
 from kvexp.core.config import MAX_TOKENS, ConfigError, ExperimentConfig
+from kvexp.core.paths import file_problem
 
 MAX_TEXT_BYTES = 64 << 20  # an evaluation text larger than this is not one (kvexp's own is 0.2 MB)
 
@@ -28,8 +29,9 @@ def check_inputs(cfg: ExperimentConfig, arch: Optional[ModelArch]) -> None:
         raise ConfigError(f"quality.depths={list(q.depths)}: {deep[0]:,} is beyond {why} of {limit:,} tokens")
     name = f"quality.text={q.text}" if q.text else "kvexp's evaluation text"
     path = Path(q.text).expanduser() if q.text else evaltext.SHIPPED
-    if not path.is_file():
-        raise ConfigError(f"{name}: not a regular file")
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(f"{name}: {problem}")
     if path.stat().st_size > MAX_TEXT_BYTES:
         raise ConfigError(f"{name}: {path.stat().st_size:,} bytes, over the {MAX_TEXT_BYTES >> 20} MiB of an "
                           "evaluation text")

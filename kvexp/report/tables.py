@@ -192,6 +192,8 @@ def csv_text(aggregate: dict) -> str:
             return "; ".join(f"{k}={cell(x)}" for k, x in v.items())
         if isinstance(v, (list, dict)):
             return json.dumps(v, sort_keys=True)
+        if isinstance(v, str) and v.startswith(FORMULA_STARTS):
+            return "'" + v  # a spreadsheet opening the file would run it as a formula
         return v
 
     buf = io.StringIO()
@@ -200,6 +202,9 @@ def csv_text(aggregate: dict) -> str:
     for row in rows:
         w.writerow([cell(v) for v in row])
     return buf.getvalue()
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a text cell starting so is a formula to a spreadsheet
 
 
 def write_csv(aggregate: dict, path: Path) -> Path:

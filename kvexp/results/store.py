@@ -197,13 +197,20 @@ def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
 
 
 def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, list[dict[str, Any]]]:
-    """The levels whose every repeat ended ok, by level value (their entries in repeat order)."""
+    """The repeats that ended ok, by level value: for each value its entries for repeats 0, 1, ... up to
+    the first that is missing or did not end ok (a resume measures that one and those after it again;
+    a level's last repeat sums up the ones before it)."""
     ok: dict[float, dict[int, dict[str, Any]]] = {}
     for lv in levels:
         if lv["status"] == "ok":
             ok.setdefault(level_x(lv)[1], {}).setdefault(lv["repeat"], lv)
-    return {v: [by_rep[r] for r in range(repeats)] for v, by_rep in ok.items()
-            if all(r in by_rep for r in range(repeats))}
+    kept: dict[float, list[dict[str, Any]]] = {}
+    for v, by_rep in ok.items():
+        for r in range(repeats):
+            if r not in by_rep:
+                break
+            kept.setdefault(v, []).append(by_rep[r])
+    return kept
 
 
 def keep_requests(path: Path, keep: set[tuple[float, int]]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvexp.core.config import ConfigError
+from kvexp.core.paths import file_problem
 
 DATASETS_DIR = Path(__file__).parent / "datasets"
 
@@ -57,8 +58,9 @@ def read_jsonl(path: str | Path, parse: Callable[[int, Any], Any]) -> list:
         key = (str(p.resolve()), st.st_mtime_ns, st.st_size, parse)
     except OSError as e:
         raise DataError(f"{shown}: cannot read: {e.strerror or e}") from None
-    if not p.is_file():
-        raise DataError(f"{shown}: cannot read: not a regular file (a folder, a FIFO or a device)")
+    problem = file_problem(p)
+    if problem:
+        raise DataError(f"{shown}: {problem}")
     if key in _CACHE:
         return list(_CACHE[key])
     out = []
