@@ -314,3 +314,29 @@ def test_a_path_the_system_refuses_is_one_line(tmp_path, capsys):
         assert main(argv) == 1, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"kvexp: {long}") and "File name too long" in err[0], (argv, err)
+
+
+# ---------------------------------------------------------------- Hydra's flags, anywhere on the line
+@pytest.mark.parametrize("args, line", [
+    (["--bogus-flag"], "--bogus-flag: not an option of a run (options: -m, --cfg job|hydra|all"),
+    (["--cfg=jobs"], "--cfg jobs: allowed values are job, hydra, all"),
+    (["--cfg"], "--cfg: needs a value (job, hydra, all)"),
+    (["--config-name", "other"], "--config-name: kvexp composes its own configuration"),
+    (["-m", "kv=fp16,q8_0", "--cfg=job"], "-m and --cfg: a run takes one of -m, --run, --cfg"),
+])
+def test_a_flag_hydra_would_refuse_is_one_line_and_makes_no_folder(tmp_path, capsys, args, line):
+    """Hydra's own answer was its usage text and exit status 2 (after an empty run folder was made), or a
+    traceback for -m with --cfg."""
+    assert kvexp(*args, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvexp: {line}") and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_cfg_job_with_a_space_prints_the_config(tmp_path, capsys):
+    """`--cfg job` as --help shows it (the value used to be taken for an override named `job`), after the
+    overrides too."""
+    assert kvexp("scenario.requests=3", "--cfg", "job", f"hydra.run.dir={tmp_path}/run") == 0
+    out = capsys.readouterr().out
+    assert "backend:" in out and "requests: 3" in out
+    assert not (tmp_path / "run").exists()

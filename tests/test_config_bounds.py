@@ -109,6 +109,12 @@ REFUSED = [
      "many requests in flight, as a level sends 8 (scenario.requests)", "allowed: levels up to scenario.requests"),
     (["scenario.search=concurrency", "scenario.slo_ttft_ms=100", "scenario.concurrency=[1,16]", "scenario.requests=8"],
      "scenario.concurrency=[1, 16]: level 16 never has that many", ""),
+    # settings that nothing in the job would read
+    (["scenario.arrival=poisson"], "scenario.arrival=poisson: only open-loop levels (scenario.rates) have arrivals", ""),
+    (["scenario.conversation.think_time_s=2"], "scenario.conversation.think_time_s=2.0: the time between the turns",
+     "allowed: 0 with one turn"),
+    (["scenario.slo_percentile=p99"], "scenario.slo_percentile=p99: the percentile the latency objectives", ""),
+    (["scenario.search_min_growth=0.2"], "scenario.search_min_growth=0.2: only an SLO search", ""),
     # flags kvexp sets, in the other spellings the servers read
     (["backend=vllm", "backend.extra_args=[--max_model_len,512]"], "backend.extra_args: --max_model_len is set by "
      "kvexp itself", "use backend.context"),
@@ -181,7 +187,9 @@ def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, st
     ["scenario.slo_ttft_ms=86400000", "scenario.slo_tpot_ms=0.5"],
     [f"client.workers={CAP}", "scenario.max_start_rate=100000", "model.params_b=7.6", "model.weights_gib=4.5"],
     [*SEARCH, "scenario.concurrency=[1,16]", "scenario.requests=16", "scenario.search_resolution=1"],
-    [*RATES, "scenario.max_concurrency=4"],
+    [*RATES, "scenario.max_concurrency=4", "scenario.arrival=poisson"],
+    ["scenario.slo_tpot_ms=50", "scenario.slo_percentile=p99"],
+    ["scenario=multiturn", "scenario.conversation.think_time_s=2"],
     ["scenario=trace", "scenario.time_scale=0.5"],
     ["kv=q4_0", "kv.per_backend.llamacpp=q4_0"],
     ["backend=vllm", "kv=fp8", "kv.per_backend.vllm=fp8_e5m2"],

@@ -21,6 +21,7 @@ MAX_WAIT_S = 86_400.0  # a timeout: a day
 MAX_SLO_MS = MAX_WAIT_S * 1000  # a latency objective: a day
 MAX_POLL_S = 60.0  # a sampling interval
 MAX_LEVELS = MAX_STREAMS  # levels of a job, a search's filled grid included
+DEFAULT_MIN_GROWTH = ScenarioConfig.search_min_growth
 MAX_LAYERS = 65_536  # a model's layers, KV heads, head size; the layers offloaded to the GPU
 MAX_PARAMS_B = 100_000.0  # billions of parameters (100 trillion)
 MAX_GIB = float(1 << 20)  # weights or GPU memory: a PiB
@@ -132,6 +133,26 @@ def check_levels(s: ScenarioConfig) -> None:
     require(s.search_resolution is None or s.search is not None,
             f"scenario.search_resolution={s.search_resolution}: only an SLO search (scenario.search) fills its grid; "
             "allowed: null without a search")
+
+
+def check_unread(s: ScenarioConfig) -> None:
+    """Settings of the scenario that only another kind of scenario reads (after their ranges are checked)."""
+    open_loop = bool(s.rates) or bool(s.trace)
+    require(s.arrival == "constant" or open_loop,
+            f"scenario.arrival={s.arrival}: only open-loop levels (scenario.rates) have "
+            "arrivals; a closed-loop level sends each request when the one before it ends; allowed: constant "
+            "without rates")
+    require(not s.conversation.think_time_s or s.conversation.turns > 1,
+            f"scenario.conversation.think_time_s={s.conversation.think_time_s}: the time between the turns of a "
+            "conversation, and scenario.conversation.turns=1 has none; allowed: 0 with one turn")
+    no_slo = s.slo_ttft_ms is None and s.slo_tpot_ms is None
+    require(s.slo_percentile == "p95" or not no_slo,
+            f"scenario.slo_percentile={s.slo_percentile}: the percentile the latency objectives (scenario.slo_ttft_ms, "
+            "scenario.slo_tpot_ms) are held to, and none is set; allowed: p95 (the default) without objectives")
+    growth = s.search_min_growth
+    require(growth == DEFAULT_MIN_GROWTH or s.search is not None or not math.isfinite(growth or 0),  # (inf: below)
+            f"scenario.search_min_growth={s.search_min_growth}: only an SLO search (scenario.search) stops on a "
+            f"plateau; allowed: {DEFAULT_MIN_GROWTH} (the default) without a search")
 
 
 def check_grid(s: ScenarioConfig) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               ignored_keys_note, kv_choices, printable, refuse_repeats, safe_name,
+                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_repeats, safe_name,
                                sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
 from kvexp.app.resume import finish_report, finished, resume_args
@@ -52,6 +52,10 @@ def run_experiment(argv: list[str]) -> int:
     from kvexp.backends import process
     from kvexp.backends.pool import ServerPool
 
+    try:
+        argv = hydra_argv(argv)
+    except ConfigError as e:
+        return _refused(e)
     multirun = any(a in ("-m", "--multirun") for a in argv)
     given = [a for a in argv if not a.startswith("-")]
     overrides, backend_only = backend_only_keys(given)

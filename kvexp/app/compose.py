@@ -103,6 +103,54 @@ def _unparsable(override: str, message: str) -> str:
             f"_-./:, or one in quotes, e.g. {key}='{value}'")
 
 
+# Hydra's own flags, which kvexp passes on: with a value (given as `--flag value` or `--flag=value`; None:
+# any value), without one, and those kvexp refuses (its configuration is its own)
+_VALUED = {**dict.fromkeys(("--cfg", "-c"), ("job", "hydra", "all")), **dict.fromkeys(("--package", "-p"), None)}
+_OPTIONAL = {**dict.fromkeys(("--info", "-i"), ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"))}
+_BARE = ("-m", "--multirun", "--run", "-r", "--resolve", "--hydra-help", "--shell-completion", "-sc")
+_MODES = ("-m", "--multirun", "--run", "-r", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+_REFUSED = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun")
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """A run's command line as Hydra's parser reads it: its flags first (Hydra takes no override after
+    one), each flag's value joined to it (`--cfg job` is `--cfg=job`, not an override `job`). A flag
+    kvexp does not pass on is refused (ConfigError)."""
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        i += 1
+        if not a.startswith("-") or a == "-":
+            overrides.append(a)
+            continue
+        name, eq, value = a.partition("=")
+        if name in _REFUSED:
+            raise ConfigError(f"{a}: kvexp composes its own configuration (conf/ in the package); choose its "
+                              "groups with overrides instead, e.g. backend=vllm kv=fp8")
+        if name in _VALUED or name in _OPTIONAL:
+            choices = _VALUED.get(name, _OPTIONAL.get(name))
+            nxt = argv[i] if not eq and i < len(argv) else None  # its value, unless that is an override
+            takes_next = nxt is not None and (nxt in (choices or ()) or (name in _VALUED and "=" not in nxt))
+            if takes_next:
+                value, i = argv[i], i + 1
+            shown = f"{name} {value}" if value else name
+            if name in _VALUED and not value:
+                raise ConfigError(f"{shown}: needs a value" + (f" ({', '.join(choices)})" if choices else ""))
+            if value and choices is not None and value not in choices:
+                raise ConfigError(f"{shown}: allowed values are {', '.join(choices)}")
+            flags.append(f"{name}={value}" if value else name)
+        elif name in _BARE and not eq:
+            flags.append(a)
+        else:
+            raise ConfigError(f"{a}: not an option of a run (options: -m, --cfg job|hydra|all, --resolve, "
+                              "--info, --help, --version; see python -m kvexp --help)")
+    modes = [f.partition("=")[0] for f in flags if f.partition("=")[0] in _MODES]
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)}: a run takes one of -m, --run, --cfg, --info and --shell-completion "
+                          "(to see a job's config, give --cfg job without -m and one value per key)")
+    return [*flags, *overrides]
+
+
 def refuse_repeats(overrides: list[str]) -> None:
     """A key given twice (`kv=fp16 kv=q8_0`): Hydra would silently take the last; one line instead."""
     seen: dict[str, str] = {}
