@@ -109,6 +109,8 @@ REFUSED = [
      "many requests in flight, as a level sends 8 (scenario.requests)", "allowed: levels up to scenario.requests"),
     (["scenario.search=concurrency", "scenario.slo_ttft_ms=100", "scenario.concurrency=[1,16]", "scenario.requests=8"],
      "scenario.concurrency=[1, 16]: level 16 never has that many", ""),
+    (["scenario.concurrency=[1,2]", "scenario.repeats=600"], "scenario.repeats=600 x 2 levels: 1,200 level runs; "
+     "allowed at most 1,024 per job", ""),
     # settings that nothing in the job would read
     (["scenario.arrival=poisson"], "scenario.arrival=poisson: only open-loop levels (scenario.rates) have arrivals", ""),
     (["scenario.conversation.think_time_s=2"], "scenario.conversation.think_time_s=2.0: the time between the turns",

@@ -87,6 +87,11 @@ def _dup(doc: dict) -> None:
     doc["levels"].append(copy.deepcopy(doc["levels"][0]))
 
 
+def _many_levels(doc: dict) -> None:
+    """More levels than a job may measure: its report would lay out each (4,000 took minutes and 4 GB)."""
+    doc["levels"] = [{**copy.deepcopy(doc["levels"][0]), "concurrency": i} for i in range(1, 1026)]
+
+
 def _guidellm_p50(doc: dict) -> None:
     doc["benchmarks"][0]["metrics"]["time_to_first_token_ms"]["successful"]["percentiles"]["p50"] = "fast"
 
@@ -125,6 +130,8 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
      "$.levels[1].tpot_p95_ms: 99 is above tpot_p99_ms"),
     ("kvexp: a level twice", _result(_dup),
      "$.levels[3]: concurrency 1, repeat 0 again (first at $.levels[0]); a run measures each level and repeat once"),
+    ("kvexp: 1,025 levels", _result(_many_levels),
+     "$.levels: 1,025 levels, more than the 1,024 (levels x repeats) a kvexp job measures"),
     ("kvexp: a 5 MB label", _result(lambda d: d.update(label="L" * 5_000_000)),
      "$.label: 5000000 characters, more than the 1000 a name may have"),
     ("kvexp: a label that clears the terminal", _result(lambda d: d.update(label="a\x1b[2Jb")),

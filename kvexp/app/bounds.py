@@ -14,6 +14,7 @@ from kvexp.backends.ollama import KV_TYPES as OLLAMA_KV_TYPES
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT
 from kvexp.core.config import MAX_RATE, MAX_STREAMS, ClientConfig, ConfigError, ExperimentConfig, ScenarioConfig
 from kvexp.core.machine import usable_cpus
+from kvexp.results.guards import MAX_RUN_LEVELS
 
 # Upper bounds of settings beyond which a value is a typo, not an experiment (config.py has the
 # scenario's own: MAX_STREAMS, MAX_TOKENS, MAX_REQUESTS, MAX_RATE).
@@ -135,8 +136,13 @@ def check_levels(s: ScenarioConfig) -> None:
             "allowed: null without a search")
 
 
-def check_unread(s: ScenarioConfig) -> None:
-    """Settings of the scenario that only another kind of scenario reads (after their ranges are checked)."""
+def check_together(s: ScenarioConfig) -> None:
+    """Once each setting is within its range: a job of at most MAX_RUN_LEVELS level runs, and no setting
+    that only another kind of scenario reads."""
+    measured = (len(s.rates) or len(s.concurrency)) * s.repeats
+    require(s.search is not None or measured <= MAX_RUN_LEVELS,
+            f"scenario.repeats={s.repeats} x {len(s.rates) or len(s.concurrency):,} levels: {measured:,} level runs; "
+            f"allowed at most {MAX_RUN_LEVELS:,} per job (its report lays out every one)")
     open_loop = bool(s.rates) or bool(s.trace)
     require(s.arrival == "constant" or open_loop,
             f"scenario.arrival={s.arrival}: only open-loop levels (scenario.rates) have "

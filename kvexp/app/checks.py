@@ -93,7 +93,7 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None)
     placement.plan(cfg)  # client.placement=split where there is nothing to split
     check_known_keys(cfg)
     check_ranges(cfg)
-    bounds.check_unread(s)
+    bounds.check_together(s)
     check_quality(cfg.quality)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)

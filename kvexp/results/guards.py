@@ -32,6 +32,7 @@ MAX_TEXT_CHARS = 64 << 10  # any other text of kvexp's own files (its longest, a
 MAX_RATE = 1e7  # output tokens or requests per second: no server comes near
 MAX_LATENCY_MS = 1e9  # 11.6 days: no request of a benchmark takes that long
 MAX_REQUESTS = 1_000_000  # requests in one level (the schema's bound)
+MAX_RUN_LEVELS = 1024  # level entries (levels x repeats) of one job: a run config allows no more
 NOT_REGULAR = "not a regular file (a device, FIFO or socket); not a kvexp file"
 
 
@@ -243,6 +244,10 @@ def sanity_errors(doc: Any, kind: str) -> list[str]:
     out = [m for _, m in names] + [m for parts, m in long_texts(doc) if parts not in named]
     for parts, run in _runs(doc, kind):
         levels = run.get("levels")
+        if isinstance(levels, list) and len(levels) > MAX_RUN_LEVELS:
+            out.append(f"{_path((*parts, 'levels'))}: {len(levels):,} levels, more than the {MAX_RUN_LEVELS:,} "
+                       "(levels x repeats) a kvexp job measures")
+            continue
         seen: dict[tuple, int] = {}
         for i, lv in enumerate(levels if isinstance(levels, list) else []):
             if not isinstance(lv, dict):
