@@ -424,3 +424,18 @@ def test_colours_follow_the_configuration():
 def test_templates_are_found():
     d = templates_dir()
     assert (d / "report.md.j2").is_file() and (d / "report.html.j2").is_file()
+
+
+def test_runs_sharing_a_label_are_told_apart_by_what_differs():
+    """A sweep over backend.threads=1,2 gave two jobs named alike: every table and verdict showed
+    `llamacpp-tiny-fp16-smoke` twice. The settings that differ are added; runs that differ in nothing
+    (the same result read twice from two copies) get a number."""
+    from kvexp.analysis.aggregate import distinct_labels
+
+    def cfg(threads, out):
+        return {"backend": {"name": "llamacpp", "threads": threads}, "output_dir": out, "label": ""}
+
+    runs = [{"label": "a"}, {"label": "a"}, {"label": "b"}, {"label": "c"}, {"label": "c"}]
+    configs = [cfg(1, "/x/0"), cfg(2, "/x/1"), cfg(1, "/x/2"), cfg(1, "/y/0"), None]
+    distinct_labels(runs, configs)
+    assert [r["label"] for r in runs] == ["a (threads=1)", "a (threads=2)", "b", "c (1)", "c (2)"]

@@ -18,6 +18,7 @@ from kvexp.results.validate import SCHEMA_VERSION, validate_document
 def collect(paths: Iterable[Path]) -> dict[str, Any]:
     """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
     runs: list[dict[str, Any]] = []
+    configs: list[Optional[dict[str, Any]]] = []  # each run's config, where its result is read here
     calibration: list[dict[str, Any]] = []
     planner = None
     results: list[dict[str, Any]] = []
@@ -29,6 +30,7 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
             foreign_levels += _foreign_levels(path, doc)
         elif kind == "aggregate":
             runs += doc["runs"]
+            configs += [None] * len(doc["runs"])
             calibration += doc.get("calibration") or []
             planner = planner or doc.get("planner")
             gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
@@ -36,9 +38,11 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         else:
             results.append(doc)
             runs.append(run_of(doc, str(path)))
+            configs.append(doc.get("config"))
             environment_ = environment_ or doc.get("environment")
             gpu = gpu or doc["gpu"].get("name")
             gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
+    distinct_labels(runs, configs)
     if foreign_levels:
         runs += _foreign_runs(foreign_levels, runs)
     if results:
@@ -94,6 +98,41 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "search": result.get("search"),
         "slo": slo_of(result),
     }
+
+
+UNTOLD = ("output_dir", "resume", "label")  # config keys that do not tell two measurements apart
+
+
+def distinct_labels(runs: list[dict[str, Any]], configs: list[Optional[dict[str, Any]]]) -> None:
+    """Runs that share a label (a sweep over a key the label does not name, such as backend.threads=1,2,
+    or one label= for every job) get the settings that tell them apart added to it, e.g.
+    `llamacpp-tiny-fp16-smoke (threads=2)`; runs whose configs differ in nothing get a number."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        groups.setdefault(r["label"], []).append(i)
+    taken = set(groups)
+    for label, idx in groups.items():
+        if len(idx) < 2:
+            continue
+        flat = [None if configs[i] is None else _flat(configs[i]) for i in idx]  # (an aggregate's run: none)
+        known = [f for f in flat if f is not None]
+        keys = sorted(k for k in set().union(*known) if not k.startswith(UNTOLD)
+                      and len({repr(f.get(k)) for f in known}) > 1)
+        for n, (i, f) in enumerate(zip(idx, flat), start=1):
+            tag = ", ".join(f"{k.rsplit('.', 1)[-1]}={f.get(k)}" for k in keys[:3])[:200] if f else ""
+            new = f"{label} ({tag or n})"
+            new = new if new not in taken else f"{label} ({tag + ', ' if tag else ''}#{n})"
+            runs[i]["label"] = new
+            taken.add(new)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
