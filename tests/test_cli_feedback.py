@@ -340,3 +340,12 @@ def test_cfg_job_with_a_space_prints_the_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "backend:" in out and "requests: 3" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_validate_writes_a_file_name_that_would_drive_the_terminal_escaped(tmp_path, capsys):
+    folder = tmp_path / "a\x1b[2Jb"
+    folder.mkdir()
+    (folder / "result.json").write_text("{}")
+    assert main(["validate", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "a\\x1b[2Jb" in out and out.count("\n") == 1, out

@@ -258,3 +258,16 @@ def test_plan_refuses_a_key_given_twice(capsys):
     assert kvexp_main("plan", "kv=fp16", "kv=q8_0") == 1
     assert capsys.readouterr().err == ("kvexp: kv=fp16 and kv=q8_0: kv is given twice and only the last would "
                                        "count; give it once (one job per value is a sweep: -m kv=a,b)\n")
+
+
+@pytest.mark.parametrize("key", ["backend.threads=1", "backend.extra_args=[--no-mmap]", "+backend.env.X=1",
+                                 "backend.port=9000"])
+def test_a_launch_setting_for_an_attached_server_is_refused(tmp_path, capsys, key):
+    """backend.endpoint attaches to a server already running: a launch setting beside it was ignored."""
+    assert kvexp_main("backend.endpoint=http://127.0.0.1:9", key, f"hydra.run.dir={tmp_path}/run") == 1
+    err = capsys.readouterr().err
+    name = key.lstrip("+").split("=")[0]
+    assert err == (f"kvexp: {name}: sets up a server kvexp launches, but backend.endpoint=http://127.0.0.1:9 "
+                   "attaches to one already running, which kvexp does not restart or reconfigure; drop one of the "
+                   "two\n"), err
+    assert not (tmp_path / "run").exists()

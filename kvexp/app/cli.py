@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_repeats, safe_name,
+                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_launch_only,
+                               refuse_repeats, safe_name,
                                sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
 from kvexp.app.resume import finish_report, finished, resume_args
@@ -76,6 +77,7 @@ def run_experiment(argv: list[str]) -> int:
             refuse_repeats(overrides)
             kvs = kv_choices()
             jobs = compose_all(overrides)
+            refuse_launch_only(overrides, jobs)
             skipped = []
             for _, cfg in jobs:
                 reason = check(cfg, kvs, multirun)
@@ -304,26 +306,26 @@ def cmd_validate(argv: list[str]) -> int:
     from kvexp.results.validate import check_file
 
     ap = _Parser(prog="kvexp validate", description="Validate kvexp result files (and other tools' result "
-                 "files kvexp reads); a folder: every result.json under it. One line per file; exit 1 if any "
-                 "is invalid.")
+                 "files kvexp reads); a folder: every result.json under it, one line per file; a file named: "
+                 "a line per problem. Exit 1 if any is invalid.")
     ap.add_argument("files", nargs="+", type=Path, help="files, or folders (every result.json under them)")
     args = ap.parse_args(argv)
     bad = 0
     for given in args.files:
         found = sorted(given.rglob(RESULT_FILE)) if given.is_dir() else [given]
         if not found:
-            print(f"{given}: no {RESULT_FILE} found in this folder")
+            print(f"{printable(str(given))}: no {RESULT_FILE} found in this folder")
             bad += 1
         for f in found:
             errs = check_file(f)
             if given.is_dir() and len(errs) > 1:  # a folder: one line per file, the file itself has them all
                 errs = [f"{errs[0]} (and {len(errs) - 1} more: kvexp validate {shlex.quote(str(f))})"]
             for e in errs:
-                print(e)
+                print(printable(e))  # a file's name may hold what would drive the terminal
             if errs:
                 bad += 1
             else:
-                print(f"{f}: valid")
+                print(f"{printable(str(f))}: valid")
     return 1 if bad else 0
 
 

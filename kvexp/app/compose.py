@@ -151,6 +151,26 @@ def hydra_argv(argv: list[str]) -> list[str]:
     return [*flags, *overrides]
 
 
+# backend keys that only set up a server kvexp launches (an attached one is as its owner started it)
+LAUNCH_ONLY = ("host", "port", "stop_grace_s", "extra_args", "env", "binary", "python", "threads", "n_gpu_layers",
+               "enforce_eager")
+
+
+def refuse_launch_only(overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]]) -> None:
+    """A launch setting given for a job that attaches to a running server (backend.endpoint) would be
+    ignored: refused, naming both."""
+    for job_overrides, cfg in jobs:
+        if not cfg.backend.endpoint:
+            continue
+        for o in overrides:
+            key = o.lstrip("+~").split("=", 1)[0]
+            parts = key.split(".")
+            if len(parts) > 1 and parts[0] == "backend" and parts[1] in LAUNCH_ONLY:
+                raise ConfigError(f"{key}: sets up a server kvexp launches, but backend.endpoint="
+                                  f"{cfg.backend.endpoint} attaches to one already running, which kvexp does not "
+                                  "restart or reconfigure; drop one of the two")
+
+
 def refuse_repeats(overrides: list[str]) -> None:
     """A key given twice (`kv=fp16 kv=q8_0`): Hydra would silently take the last; one line instead."""
     seen: dict[str, str] = {}
