@@ -214,6 +214,17 @@ def test_an_attached_server_that_dies_ends_its_job(tmp_path, pool):
     assert [lv["concurrency"] for lv in r["levels"]] == [1]  # level 2 never sent a request
 
 
+def test_an_attached_server_that_is_not_there_is_said_so_first(tmp_path, pool, caplog):
+    """Nothing listens at backend.endpoint: the job fails on its first probe, saying so in plain words
+    (aiohttp's own text named TLS it never used), before a warning about a KV cache it could not read."""
+    port = free_port()
+    r, err = run(tmp_path, Path("unused"), pool, f"backend.endpoint=http://127.0.0.1:{port}")
+    assert isinstance(err, BackendError) and r["status"] == "failed"
+    assert r["status_reason"] == (f"the attached server at http://127.0.0.1:{port} does not answer "
+                                  f"http://127.0.0.1:{port}/health (connection refused by 127.0.0.1:{port})")
+    assert "KV cache type" not in caplog.text and r["levels"] == []
+
+
 def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
     lives_s = 30  # what the group would live for if nothing killed it
     proc = ServerProcess(["sh", "-c", f"trap '' TERM; sleep {lives_s} & sleep {lives_s}"], {}, tmp_path / "log",

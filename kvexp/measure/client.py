@@ -42,6 +42,16 @@ class Observer(Protocol):
     def level_done(self, level: float, summary: dict[str, Any]) -> None: ...
 
 
+def connection_error(e: BaseException) -> str:
+    """A failed connection or request in a few words (aiohttp's own text for a refused connection names
+    TLS it never used: "ssl:default")."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        if isinstance(e.os_error, ConnectionRefusedError):
+            return f"connection refused by {e.host}:{e.port}"
+        return f"cannot connect to {e.host}:{e.port}: {e.os_error.strerror or e.os_error}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 class NullObserver:
     def level_started(self, level: float, total: int, repeat: int) -> None: pass
     def request_done(self, record: RequestRecord) -> None: pass

@@ -29,7 +29,7 @@ import aiohttp
 
 from kvexp.backends.base import Request
 from kvexp.measure.client import (SENT_AT, ClientOptions, LevelRun, NullObserver, Observer, Streamer, pre_encode,
-                                  start_throttle)
+                                  connection_error, start_throttle)
 from kvexp.measure.eventloop import LoopLagMonitor, loop_name, no_gc_pauses
 from kvexp.measure.workers import ABANDON_GRACE_S, WorkerPool, close_pools, resolve_workers, runs_in_process
 from kvexp.metrics.records import RequestRecord
@@ -173,9 +173,8 @@ class LoadGenerator:
         except aiohttp.ClientPayloadError as e:
             rec.error_kind, rec.error = "protocol", f"truncated or malformed response: {e}"
         except (aiohttp.ClientError, OSError) as e:
-            rec.error_kind, rec.error = "connection", f"{type(e).__name__}: {e}"
+            rec.error_kind, rec.error = "connection", connection_error(e)
             if isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError):
-                rec.error = f"connection refused by {e.host}:{e.port}"  # aiohttp's text names TLS it did not use
                 self.refused = self.refused or rec.error
         rec.done_s = perf() - origin
         if wrote:  # also when the request failed after it went out

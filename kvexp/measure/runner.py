@@ -25,7 +25,7 @@ from kvexp.capacity.planner import ModelArch
 from kvexp.core import machine, placement
 from kvexp.core.config import ConfigError, ExperimentConfig, client_connections, job_label, skips_unsupported
 from kvexp.core.paths import SpaceReserve
-from kvexp.measure.client import ClientOptions, Observer, client_environment, make_session
+from kvexp.measure.client import ClientOptions, Observer, client_environment, connection_error, make_session
 from kvexp.measure.gpu import GIB, MemorySampler, gpu_info
 from kvexp.measure.loadgen import LoadGenerator, arrival_offsets
 from kvexp.measure.telemetry import TelemetrySampler
@@ -250,8 +250,8 @@ async def _check_attached(backend: Adapter, session: aiohttp.ClientSession) -> N
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=ATTACHED_PROBE_S)) as r:
             await r.read()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise BackendError(f"the attached server at {backend.base_url} does not answer {url} ({why})") from None
+        raise BackendError(f"the attached server at {backend.base_url} does not answer {url} "
+                           f"({connection_error(e)})") from None
 
 
 async def _measure(job: Job, backend: Adapter, server: Optional[Server], observer: Optional[Observer],
@@ -261,6 +261,8 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
     max_conn = client_connections(s)
     headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
+        if server is None:  # an attached server that does not answer ends the job before anything is read from it
+            await _check_attached(backend, session)
         res["backend"]["version"] = await backend.version(session)
         t = time.monotonic()
         if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
