@@ -38,12 +38,13 @@ def register_configs() -> None:
     cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
 
 
-def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None) -> None:
+def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None, serves: bool = True) -> None:
     """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line. Every float of the
     config must be finite (bounds.check_finite): after the per-key checks, whose messages say the range,
-    or when one of them stumbles over an inf or nan before saying so."""
+    or when one of them stumbles over an inf or nan before saying so. serves=False (a plan): the model
+    need not name a file for the backend to serve."""
     try:
-        _check_config(cfg, kv_choices)
+        _check_config(cfg, kv_choices, serves)
     except ConfigError:
         raise
     except (ArithmeticError, ValueError, TypeError):  # e.g. int(inf) in a derived figure: name the setting
@@ -52,7 +53,7 @@ def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None =
     bounds.check_finite(cfg)
 
 
-def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None) -> None:
+def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None, serves: bool) -> None:
     b, s, kv = cfg.backend, cfg.scenario, cfg.kv
     ref = adapter_class(b.name).served_field(cfg.model)
     _require(cfg.unsupported in tuple(Unsupported),
@@ -98,7 +99,7 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None)
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
     adapter_class(b.name).check_environment(b)
-    _require(b.endpoint is not None or getattr(cfg.model, ref) is not None,
+    _require(not serves or b.endpoint is not None or getattr(cfg.model, ref) is not None,
              f"model={cfg.model.name} has nothing for backend={b.name} to serve: set model.{ref}")
 
 

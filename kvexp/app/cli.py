@@ -381,6 +381,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def cmd_plan(argv: list[str]) -> int:
     from kvexp.app import helptext
+    from kvexp.backends import adapter_class
     from kvexp.planning import calibration
     from kvexp.report.summary import plan_table, whatif_table
 
@@ -391,13 +392,13 @@ def cmd_plan(argv: list[str]) -> int:
         argv, gpus = whatif_args(argv)
         refuse_repeats([a for a in argv if not a.startswith("-")])
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
-        from kvexp.workload import scenario
+        from kvexp.app import preflight
 
-        from kvexp.app.bounds import check_finite
-
-        for cfg in cfgs:  # the plan reads the workload's lengths (a trace's rows); no inf or nan anywhere
-            scenario.check_scenario(cfg.scenario)
-            check_finite(cfg)
+        kvs = kv_choices()
+        for cfg in cfgs:  # a run's checks (a job a sweep would skip is planned all the same), and a model file
+            check(cfg, kvs, multirun=True, serves=False)
+            if getattr(cfg.model, adapter_class(cfg.backend.name).served_field(cfg.model), None):
+                preflight.check_model_file(cfg)
     except (ConfigError, ValueError) as e:
         return _refused(e)
     table = calibration.load()

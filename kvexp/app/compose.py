@@ -256,7 +256,7 @@ def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]
     return out
 
 
-def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False) -> Optional[str]:
+def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False, serves: bool = True) -> Optional[str]:
     """None when the job can run; the reason when it is an unsupported backend/kv pair to skip (in a
     sweep by default, anywhere with unsupported=skip). Raises ConfigError for anything else, a comma list
     without -m included (Hydra would answer it with a 4-line "Ambiguous value")."""
@@ -266,7 +266,7 @@ def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = Fals
         raise ConfigError(f"{lists[0]}: a comma list runs one job per value, a sweep: allowed with -m (python -m "
                           f"kvexp -m {lists[0]} ...), or give one value, or quote it to set a string: {key}='{value}'")
     try:
-        check_config(cfg, kvs)
+        check_config(cfg, kvs, serves)
     except ConfigError as e:
         if skips_unsupported(cfg.unsupported, multirun) and str(e).startswith("kv="):
             return str(e)
