@@ -1,3 +1,4 @@
+import os
 import signal
 import sys
 
@@ -24,6 +25,6 @@ if __name__ == "__main__":  # a spawned worker process imports this module too
         from kvexp.app.cli import entry
     except KeyboardInterrupt as e:
         name = str(e) or "SIGINT"
-        print(f"kvexp: interrupted by {name}", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name])
+        print(f"kvexp: interrupted by {name}", file=sys.stderr, flush=True)
+        os._exit(128 + signal.Signals[name])  # not sys.exit: Python's own exit may end by SIGINT instead
     entry()

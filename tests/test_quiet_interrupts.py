@@ -221,3 +221,30 @@ def test_a_signal_that_code_swallows_still_ends_the_command(tmp_path, monkeypatc
     monkeypatch.setitem(cli.SUBCOMMANDS, "validate", validate_swallowing)
     assert main(["validate", str(tmp_path)]) == 129
     assert capsys.readouterr().err == "kvexp validate: interrupted by SIGHUP\n"
+
+
+def test_a_signal_landing_in_a_finalizer_is_not_printed(monkeypatch):
+    """Python prints an exception a finalizer or garbage-collector callback raises (through
+    sys.unraisablehook), traceback and all; a signal's Interrupted landing there is left to the command's
+    next checkpoint, quietly. Any other such exception is still handed on."""
+    import gc
+
+    from kvexp.backends import process
+
+    class Finalized:
+        def __init__(self, exc: BaseException):
+            self.exc = exc
+
+        def __del__(self):
+            raise self.exc
+
+    printed: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(u.exc_value))
+    handlers = process.raise_on_signals()
+    try:
+        Finalized(process.Interrupted("SIGTERM"))
+        Finalized(ValueError("a bug"))
+        gc.collect()
+    finally:
+        process.restore_signals(handlers)
+    assert [type(e) for e in printed] == [ValueError]

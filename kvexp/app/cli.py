@@ -27,7 +27,7 @@ from kvexp.app.compose import (backend_only_keys, check, compose_all, default_fo
                                refuse_repeats, safe_name,
                                sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
-from kvexp.app.resume import finish_report, finished, resume_args
+from kvexp.app.resume import finish_report, finished, resumable, resume_args
 from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
 
@@ -104,9 +104,10 @@ def run_experiment(argv: list[str]) -> int:
     except KeyboardInterrupt as e:
         process.stop_all()
         name = str(e) or "SIGINT"
-        hint = (f"resume with: python -m kvexp resume {shlex.quote(str(sweep.folder))}" if sweep
-                else "no job had started")
-        return interrupted(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; {hint}", name)
+        if sweep is None or not resumable(sweep.folder):  # Hydra had not yet written what a resume reads
+            return interrupted(f"kvexp: interrupted by {name} before any job started: nothing was measured", name)
+        return interrupted(f"kvexp: interrupted by {name}: servers stopped, finished levels saved; resume with: "
+                           f"python -m kvexp resume {shlex.quote(str(sweep.folder))}", name)
     finally:
         if sweep is not None:
             sweep.pool.release()
@@ -560,12 +561,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def entry() -> None:
-    from kvexp.backends.process import process_exits_after_command, repeats_ignored
+    from kvexp.backends.process import HANDLED, process_exits_after_command, repeats_ignored
 
     process_exits_after_command()
     code = main()
-    if repeats_ignored():  # a signal ended the command: Python's own exit would put back the default
-        logging.shutdown()  # handlers, and a Ctrl-C pressed again then would kill kvexp with SIGINT's status
+    ended_by_signal = repeats_ignored()
+    for sig in HANDLED:  # the command is over: a signal now would only kill the exit, silently, with its status
+        signal.signal(sig, signal.SIG_IGN)
+    if ended_by_signal:  # Python's own exit would put back the default handlers, and a Ctrl-C pressed
+        logging.shutdown()  # again then would kill kvexp with SIGINT's status
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -15,6 +15,11 @@ from kvexp.app.preflight import finished_jobs, quote_path
 from kvexp.core.config import ConfigError
 
 
+def resumable(folder: Path) -> bool:
+    """Whether folder holds what resume_args reads (Hydra writes it as its first job starts)."""
+    return (folder / "multirun.yaml").is_file() or (folder / ".hydra" / "hydra.yaml").is_file()
+
+
 def resume_args(folder: Path) -> list[str]:
     """The command line that runs the sweep (or single run) saved in `folder` again into the same
     folder with resume=true, from the overrides Hydra saved there (multirun.yaml, .hydra/hydra.yaml)."""

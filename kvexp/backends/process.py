@@ -16,11 +16,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from kvexp.backends import launched
 from kvexp.backends.base import BackendError
@@ -239,7 +240,21 @@ def raise_on_signals(handler: Callable[[int, object], None] = _on_signal) -> dic
     ends in end_by); returns the handlers they replace (for signal.signal, to restore them)."""
     global _interrupted, _answered
     _interrupted, _answered = None, False
+    if not getattr(sys.unraisablehook, "keeps_quiet_on_signals", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
     return {sig: signal.signal(sig, handler) for sig in HANDLED}
+
+
+def _quiet_unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Python prints an exception it cannot raise (one from a finalizer or a garbage-collector callback)
+    with a traceback; a signal's Interrupted landing there is raised at the next raise_if_interrupted
+    instead, so it is not printed."""
+    def quiet(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
+
+    quiet.keeps_quiet_on_signals = True  # type: ignore[attr-defined]
+    return quiet
 
 
 _process_exits = False  # kvexp runs as its own process (kvexp.app.cli.entry), which ends with the command

@@ -192,7 +192,7 @@ def csv_text(aggregate: dict) -> str:
             return "; ".join(f"{k}={cell(x)}" for k, x in v.items())
         if isinstance(v, (list, dict)):
             return json.dumps(v, sort_keys=True)
-        if isinstance(v, str) and v.startswith(FORMULA_STARTS):
+        if isinstance(v, str) and v.lstrip(" ").startswith(FORMULA_STARTS):
             return "'" + v  # a spreadsheet opening the file would run it as a formula
         return v
 
