@@ -271,3 +271,16 @@ def test_a_launch_setting_for_an_attached_server_is_refused(tmp_path, capsys, ke
                    "attaches to one already running, which kvexp does not restart or reconfigure; drop one of the "
                    "two\n"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_preset_for_a_server_on_the_cpu_is_refused(tmp_path, capsys):
+    """gpu=h100 on a machine without a GPU: the server runs on the CPU and every result would have been
+    labelled H100."""
+    from kvexp.measure.gpu import gpu_info
+
+    if gpu_info(quiet=True).name is not None:
+        pytest.skip("NVML sees a GPU here")
+    assert kvexp_main("gpu=h100", f"hydra.run.dir={tmp_path}/run") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvexp: gpu.name=NVIDIA H100") and "kvexp sees no GPU here" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()

@@ -216,12 +216,19 @@ def check_job(cfg: ExperimentConfig) -> None:
     (the evaluation text, the depths against the model's context, an attached server)."""
     from kvexp import backends
     from kvexp.backends.base import auth_headers
+    from kvexp.measure.gpu import gpu_info
     from kvexp.planning import prediction
     from kvexp.quality.inputs import check_inputs
     from kvexp.quality.measure import wanted
 
     backend = backends.create(cfg)
     auth_headers(cfg)
+    g = cfg.gpu
+    if (g.name or g.memory_gib) and not cfg.backend.endpoint and gpu_info(g.index, quiet=True).name is None:
+        given = f"gpu.name={g.name}" if g.name else f"gpu.memory_gib={g.memory_gib:g}"
+        raise ConfigError(f"{given}: kvexp sees no GPU here (NVML), so the server it launches runs on the CPU, and "
+                          "its results would be labelled with that GPU; leave gpu unset, or plan for that GPU with "
+                          "python -m kvexp plan gpu=...")
     if wanted(cfg):
         try:
             arch = prediction.model_arch(cfg, backend.spec)

@@ -16,14 +16,14 @@ GIB = float(1 << 30)
 _warned = False
 
 
-def _nvml() -> Any:
-    """The pynvml module, initialised; None (with one warning per process) when unavailable."""
+def _nvml(quiet: bool = False) -> Any:
+    """The pynvml module, initialised; None (with one warning per process, unless quiet) when unavailable."""
     global _warned
     try:
         pynvml.nvmlInit()
         return pynvml
     except Exception as e:  # no library, no driver, no device: all mean "no GPU figures"
-        if not _warned:
+        if not _warned and not quiet:
             log.warning("NVML unavailable (%s): GPU memory figures will be null", str(e) or type(e).__name__)
             _warned = True
         return None
@@ -37,8 +37,9 @@ class GPUInfo:
     index: int = 0
 
 
-def gpu_info(index: int = 0) -> GPUInfo:
-    nv = _nvml()
+def gpu_info(index: int = 0, quiet: bool = False) -> GPUInfo:
+    """The GPU NVML describes (its fields None where there is none; quiet: no warning then)."""
+    nv = _nvml(quiet)
     if nv is None:
         return GPUInfo(index=index)
     try:
