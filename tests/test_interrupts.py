@@ -209,3 +209,25 @@ def test_exception_in_kvexp(llama_server, tmp_path, env):
     (run,) = (tmp_path / "outputs" / "runs").iterdir()
     r = load_document(run / "result.json")[1]
     assert (r["status"], r["status_reason"]) == ("failed", "ZeroDivisionError: boom")
+
+
+def test_kvexp_stopped_and_continued_mid_level_fails_that_level_not_the_server(tmp_path, env):
+    """Ctrl-Z then fg (SIGSTOP, SIGCONT) of kvexp for longer than the stall timeout: the level's timings
+    include the pause, so it fails saying so, and the server (which went on answering) is not called hung;
+    the next level is measured as usual."""
+    fake = fake_openai.wrapper(tmp_path)
+    k = Kvexp([f"backend.binary={fake}", "backend.extra_args=[--token-gap,0.05]", "scenario.requests=8",
+               "scenario.max_tokens=16", "scenario.concurrency=[1,2]", "scenario.stall_timeout_s=2",
+               f"hydra.run.dir={tmp_path}/run"], tmp_path, env, server="fake_openai")
+    k.wait_for("level 1: 8 requests")
+    time.sleep(1)
+    k.proc.send_signal(signal.SIGSTOP)
+    time.sleep(4)  # twice the stall timeout
+    k.proc.send_signal(signal.SIGCONT)
+    assert k.finish() == 0, k.output[-3000:]
+    r = load_document(tmp_path / "run" / "result.json")[1]
+    one, two = r["levels"]
+    assert (one["status"], one["status_reason"]) == ("failed", "kvexp itself was stopped (Ctrl-Z or SIGSTOP) and "
+                                                     "continued during this level: its timings include the pause")
+    assert two["status"] == "ok" and r["status"] == "partial" and "server hung" not in k.output
+    assert not k.survivors()

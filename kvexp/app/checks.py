@@ -38,7 +38,8 @@ def register_configs() -> None:
     cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
 
 
-def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None, serves: bool = True) -> None:
+def check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None = None,
+                 serves: bool = True) -> None:
     """Semantic checks Hydra's typing cannot make. Raises ConfigError with one line. Every float of the
     config must be finite (bounds.check_finite): after the per-key checks, whose messages say the range,
     or when one of them stumbles over an inf or nan before saying so. serves=False (a plan): the model

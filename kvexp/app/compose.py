@@ -256,7 +256,8 @@ def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]
     return out
 
 
-def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False, serves: bool = True) -> Optional[str]:
+def check(cfg: ExperimentConfig, kvs: dict[str, KVConfig], multirun: bool = False,
+          serves: bool = True) -> Optional[str]:
     """None when the job can run; the reason when it is an unsupported backend/kv pair to skip (in a
     sweep by default, anywhere with unsupported=skip). Raises ConfigError for anything else, a comma list
     without -m included (Hydra would answer it with a 4-line "Ambiguous value")."""

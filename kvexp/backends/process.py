@@ -32,6 +32,7 @@ HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPT_GRACE_S = 3.0
 _interrupted: Optional[str] = None  # the signal that ended this command (its name), once one has
 _answered = False  # and the command has said so
+_continued = 0  # SIGCONTs so far: kvexp itself was stopped (Ctrl-Z, SIGSTOP) and continued
 
 
 class Interrupted(KeyboardInterrupt):
@@ -242,7 +243,20 @@ def raise_on_signals(handler: Callable[[int, object], None] = _on_signal) -> dic
     _interrupted, _answered = None, False
     if not getattr(sys.unraisablehook, "keeps_quiet_on_signals", False):
         sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
-    return {sig: signal.signal(sig, handler) for sig in HANDLED}
+    replaced = {sig: signal.signal(sig, handler) for sig in HANDLED}
+    replaced[signal.SIGCONT] = signal.signal(signal.SIGCONT, _on_continue)
+    return replaced
+
+
+def _on_continue(signum: int, frame: object) -> None:
+    global _continued
+    _continued += 1
+
+
+def continued() -> int:
+    """How often kvexp itself has been stopped (Ctrl-Z, SIGSTOP) and continued since its command began: a
+    level it changes during was timed across the pause."""
+    return _continued
 
 
 def _quiet_unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:

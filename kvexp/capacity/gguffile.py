@@ -92,7 +92,8 @@ class _Cursor:
         if vtype != _ARRAY:
             raise GGUFError(f"{self.path}: unknown GGUF value type {vtype}")
         if depth >= MAX_ARRAY_DEPTH:
-            raise GGUFError(f"{self.path}: the GGUF header nests arrays more than {MAX_ARRAY_DEPTH} deep: a corrupt file")
+            raise GGUFError(f"{self.path}: the GGUF header nests arrays more than {MAX_ARRAY_DEPTH} deep: "
+                            "a corrupt file")
         etype, n = self.take("<I"), self.count()
         if keep_arrays and n <= 1024:  # short arrays (per-layer head counts) are kept
             return [self.value(etype, False, depth + 1) for _ in range(n)]

@@ -19,7 +19,7 @@ from kvexp import backends
 from kvexp.assets import embedded
 from kvexp.backends.base import Adapter, BackendError, KVCacheInfo, auth_headers
 from kvexp.backends.pool import Server, ServerPool
-from kvexp.backends.process import raise_if_interrupted, tail
+from kvexp.backends.process import continued, raise_if_interrupted, tail
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import ModelArch
 from kvexp.core import machine, placement
@@ -338,8 +338,10 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
                             headers=dict(session.headers) or None, workers=client.workers,
                             event_loop=client.event_loop)
     server_writes = process_tree_writes(sampler.pid)  # a coarser sign: its log lines, for worker processes' reads
-    watch = ServerWatch(session, backend.watch_path or backend.health_path, s.stall_timeout_s,
-                        [lambda: lg.reads, lambda: server_writes() if lg.from_workers else None])  # quiet from now
+    watch = ServerWatch(session, backend.watch_path or backend.health_path, s.stall_timeout_s,  # quiet from now
+                        [lambda: lg.reads, lambda: server_writes() if lg.from_workers else None,
+                         continued])  # (kvexp's own pause, Ctrl-Z, is no server's silence)
+    paused = continued()
     cache_reset = await _reset_cache(backend, session) if scenario.resets_cache(s) else None
     counters_before = await watch.sample(backend.server_counters(session))
     before = await watch.sample(_sample(backend, session))
@@ -363,6 +365,9 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
             hung = await watch.refusal(lg.refused)
     except ServerHung as e:
         hung, run = str(e), hung_level_run(reqs, e)
+    if continued() != paused:  # kvexp was stopped mid-level: nothing it timed, or found quiet, is the server's
+        hung = ("kvexp itself was stopped (Ctrl-Z or SIGSTOP) and continued during this level: its timings "
+                "include the pause")
     records = run.records
     load = machine.load_view(cpu_before, machine.cpu_times())
     seen = gauges.window()
