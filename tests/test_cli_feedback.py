@@ -323,6 +323,14 @@ def test_a_path_the_system_refuses_is_one_line(tmp_path, capsys):
     (["--cfg"], "--cfg: needs a value (job, hydra, all)"),
     (["--config-name", "other"], "--config-name: kvexp composes its own configuration"),
     (["-m", "kv=fp16,q8_0", "--cfg=job"], "-m and --cfg: a run takes one of -m, --run, --cfg"),
+    (["--hydra-help"], "--hydra-help: not an option of a run"),
+    (["-"], "'-': not an override (key=value) or an option"),
+    (["=5"], "'=5': not an override (key=value) or an option"),
+    # where a job writes: kvexp's to decide (one job overwrote another's result with a shared subdir)
+    (["-m", "kv=fp16,q8_0", "hydra.sweep.subdir=same"], "hydra.sweep.subdir=same: kvexp names each job's folder"),
+    (["hydra.output_subdir=null"], "hydra.output_subdir=null: a resume reads what Hydra saves there"),
+    (["output_dir=/tmp/elsewhere"], "output_dir=/tmp/elsewhere: kvexp sets it to the job's folder"),
+    (["-m", "kv=fp16,fp16"], "kv=fp16,fp16: fp16 is given twice; each value is one job"),
 ])
 def test_a_flag_hydra_would_refuse_is_one_line_and_makes_no_folder(tmp_path, capsys, args, line):
     """Hydra's own answer was its usage text and exit status 2 (after an empty run folder was made), or a
@@ -331,6 +339,25 @@ def test_a_flag_hydra_would_refuse_is_one_line_and_makes_no_folder(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith(f"kvexp: {line}") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-m", "kv=fp16,q8_0", "hydra.run.dir=X"], "hydra.run.dir=X: a sweep (-m) writes into hydra.sweep.dir"),
+    (["hydra.sweep.dir=X"], "hydra.sweep.dir=X: a single run writes into hydra.run.dir"),
+    (["hydra.run.dir=''"], "hydra.run.dir='': give a folder"),
+])
+def test_a_folder_setting_that_would_be_ignored_is_refused(tmp_path, capsys, args, line):
+    """The only folder given was one the mode does not write into: the results went to outputs/."""
+    assert kvexp(*args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvexp: {line}") and err.count("\n") == 1, err
+
+
+def test_info_without_a_value_leaves_the_next_override_alone(tmp_path):
+    # (a process of its own: Hydra's --info sets up logging on the streams of the moment)
+    p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, "--info", "scenario.requests=3"], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0 and "Config search path" in p.stdout, p.stderr[-2000:]
 
 
 def test_cfg_job_with_a_space_prints_the_config(tmp_path, capsys):
@@ -349,3 +376,22 @@ def test_validate_writes_a_file_name_that_would_drive_the_terminal_escaped(tmp_p
     assert main(["validate", str(folder)]) == 1
     out = capsys.readouterr().out
     assert "\x1b" not in out and "a\\x1b[2Jb" in out and out.count("\n") == 1, out
+
+
+def test_a_file_named_twice_is_validated_once_and_a_loop_of_links_is_named(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    result = tmp_path / "run" / "result.json"
+    result.write_text("{}")
+    assert main(["validate", str(result), str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().out.count("\n") == 1  # one file: its line, once
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(tmp_path / "other.json")
+    (tmp_path / "other.json").symlink_to(loop)
+    assert main(["results", str(loop)]) == 1
+    assert capsys.readouterr().err == f"kvexp: {loop}: cannot read: Too many levels of symbolic links\n"
+
+
+def test_a_report_title_longer_than_a_page_heading_is_refused(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--title", "x" * 201, "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == "kvexp: report --title: 201 characters; allowed at most 200\n"
+    assert not (tmp_path / "out").exists()

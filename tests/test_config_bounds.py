@@ -111,6 +111,9 @@ REFUSED = [
      "scenario.concurrency=[1, 16]: level 16 never has that many", ""),
     (["scenario.concurrency=[1,2]", "scenario.repeats=600"], "scenario.repeats=600 x 2 levels: 1,200 level runs; "
      "allowed at most 1,024 per job", ""),
+    (["kv=q4_0", "backend.flash_attn=off"], "kv=q4_0 (q4_0) with backend.flash_attn=off: llama-server refuses a "
+     "quantised V cache without flash attention", "use backend.flash_attn=on or auto"),
+    (["model.hf=/nonexistent/hf"], "model.hf: no job of this run serves it (backend=llamacpp serves model.gguf)", ""),
     # settings that nothing in the job would read
     (["scenario.arrival=poisson"], "scenario.arrival=poisson: only open-loop levels (scenario.rates) have arrivals", ""),
     (["scenario.conversation.think_time_s=2"], "scenario.conversation.think_time_s=2.0: the time between the turns",
@@ -251,7 +254,8 @@ def test_a_check_that_stumbles_over_inf_names_the_setting(monkeypatch):
 
 def test_plan_refuses_a_number_that_is_not_finite(capsys):
     assert kvexp_main("plan", "model.params_b=inf") == 1
-    assert capsys.readouterr().err == "kvexp: model.params_b=inf: not a finite number; allowed values are finite numbers\n"
+    assert capsys.readouterr().err == ("kvexp: model.params_b=inf: must be > 0 (or null: read from the model files) and "
+                                       "<= 100,000 (100 trillion parameters)\n")  # the run's own check
 
 
 def test_plan_refuses_a_key_given_twice(capsys):
@@ -261,7 +265,7 @@ def test_plan_refuses_a_key_given_twice(capsys):
 
 
 @pytest.mark.parametrize("key", ["backend.threads=1", "backend.extra_args=[--no-mmap]", "+backend.env.X=1",
-                                 "backend.port=9000"])
+                                 "backend.port=9000", "backend.kv_rotation=off", "backend.flash_attn=off"])
 def test_a_launch_setting_for_an_attached_server_is_refused(tmp_path, capsys, key):
     """backend.endpoint attaches to a server already running: a launch setting beside it was ignored."""
     assert kvexp_main("backend.endpoint=http://127.0.0.1:9", key, f"hydra.run.dir={tmp_path}/run") == 1

@@ -132,6 +132,8 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
      "$.levels[3]: concurrency 1, repeat 0 again (first at $.levels[0]); a run measures each level and repeat once"),
     ("kvexp: 1,025 levels", _result(_many_levels),
      "$.levels: 1,025 levels, more than the 1,024 (levels x repeats) a kvexp job measures"),
+    ("kvexp: repeat 1,000,000", _result(lambda d: d["levels"][0].update(repeat=1_000_000)),
+     "$.levels[0].repeat: 1,000,000 is beyond the 1,000 repeats a job may have"),
     ("kvexp: a 5 MB label", _result(lambda d: d.update(label="L" * 5_000_000)),
      "$.label: 5000000 characters, more than the 1000 a name may have"),
     ("kvexp: a label that clears the terminal", _result(lambda d: d.update(label="a\x1b[2Jb")),

@@ -283,7 +283,8 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(line) + "\n")
     cfg = compose([*TINY, "backend=ollama", "backend.endpoint=http://127.0.0.1:9", "model.ollama=tiny", "scenario=sharegpt",
-                   f"scenario.dataset={path}", "scenario.conversation.turns=3", "scenario.requests=1"])
+                   f"scenario.dataset={path}", "scenario.conversation.turns=3", "scenario.requests=1",
+                   "scenario.concurrency=[1]"])
     check_config(cfg)
     backend = backends.create(cfg)
 

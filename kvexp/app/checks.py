@@ -23,7 +23,7 @@ from kvexp.core.config import (MAX_RATE, MAX_REQUESTS, MAX_STREAMS, MAX_TOKENS, 
                                ExperimentConfig, GPUConfig, KVConfig, ModelConfig, QualityConfig, ScenarioConfig,
                                Unsupported, check_kv, job_label)
 from kvexp.core.paths import data_dir, file_problem
-from kvexp.results.guards import MAX_NAME_CHARS, hidden_char
+from kvexp.results.guards import MAX_NAME_CHARS, MAX_REPEATS, hidden_char
 from kvexp.workload import scenario
 
 
@@ -182,7 +182,7 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     _in("scenario.max_tokens", s.max_tokens, 1, MAX_TOKENS)
     _in("scenario.requests", s.requests, 1, MAX_REQUESTS)
     _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_REQUESTS)
-    _in("scenario.repeats", s.repeats, 1, 1000)
+    _in("scenario.repeats", s.repeats, 1, MAX_REPEATS)
     for key in ("request_timeout_s", "stall_timeout_s"):
         _in(f"scenario.{key}", getattr(s, key), 0, MAX_WAIT_S, low_open=True, unit=" s", why="a day")
     for key, what in (("slo_ttft_ms", "no TTFT objective"), ("slo_tpot_ms", "no TPOT objective")):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_launch_only,
+                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_unread,
                                refuse_repeats, safe_name,
                                sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
@@ -77,7 +77,7 @@ def run_experiment(argv: list[str]) -> int:
             refuse_repeats(overrides)
             kvs = kv_choices()
             jobs = compose_all(overrides)
-            refuse_launch_only(overrides, jobs)
+            refuse_unread(overrides, jobs)
             skipped = []
             for _, cfg in jobs:
                 reason = check(cfg, kvs, multirun)
@@ -312,12 +312,17 @@ def cmd_validate(argv: list[str]) -> int:
     ap.add_argument("files", nargs="+", type=Path, help="files, or folders (every result.json under them)")
     args = ap.parse_args(argv)
     bad = 0
+    seen: set[str] = set()  # a file named twice (itself and in its folder) is validated once
     for given in args.files:
         found = sorted(given.rglob(RESULT_FILE)) if given.is_dir() else [given]
         if not found:
             print(f"{printable(str(given))}: no {RESULT_FILE} found in this folder")
             bad += 1
         for f in found:
+            real = os.path.realpath(f)  # (a loop of links is checked below, not here)
+            if real in seen:
+                continue
+            seen.add(real)
             errs = check_file(f)
             if given.is_dir() and len(errs) > 1:  # a folder: one line per file, the file itself has them all
                 errs = [f"{errs[0]} (and {len(errs) - 1} more: kvexp validate {shlex.quote(str(f))})"]
@@ -340,6 +345,10 @@ def cmd_report(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from kvexp.results.guards import hidden_char
 
+    if len(args.title or "") > MAX_TITLE_CHARS:  # it heads every page of the PDF
+        print(f"kvexp: report --title: {len(args.title):,} characters; allowed at most {MAX_TITLE_CHARS}",
+              file=sys.stderr)
+        return 1
     hidden = hidden_char(args.title or "")
     if hidden is not None:
         print(f"kvexp: report --title {args.title!r} holds {args.title[hidden]!r} at position {hidden}: it heads "
@@ -523,6 +532,8 @@ def _stamp() -> str:
 
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
+
+MAX_TITLE_CHARS = 200
 
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "validate": cmd_validate, "report": cmd_report, "plan": cmd_plan, "install": cmd_install,

@@ -105,10 +105,17 @@ def _unparsable(override: str, message: str) -> str:
 
 # Hydra's own flags, which kvexp passes on: with a value (given as `--flag value` or `--flag=value`; None:
 # any value), without one, and those kvexp refuses (its configuration is its own)
+# Hydra settings of where a job writes that kvexp decides itself: each job's folder in a sweep, and the
+# .hydra/ folder a resume reads
+_FOLDER_KEYS = {"hydra.sweep.subdir": "kvexp names each job's folder of a sweep itself (N_backend-model-kv-scenario), "
+                "so that no two jobs share one", "hydra.output_subdir": "a resume reads what Hydra saves there "
+                "(.hydra/)", "hydra.job.chdir": "kvexp's paths are relative to where it was started",
+                "output_dir": "kvexp sets it to the job's folder; choose that with hydra.run.dir (hydra.sweep.dir "
+                "with -m)"}
 _VALUED = {**dict.fromkeys(("--cfg", "-c"), ("job", "hydra", "all")), **dict.fromkeys(("--package", "-p"), None)}
 _OPTIONAL = {**dict.fromkeys(("--info", "-i"), ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"))}
-_BARE = ("-m", "--multirun", "--run", "-r", "--resolve", "--hydra-help", "--shell-completion", "-sc")
-_MODES = ("-m", "--multirun", "--run", "-r", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+_BARE = ("-m", "--multirun", "--run", "-r", "--resolve")
+_MODES = ("-m", "--multirun", "--run", "-r", "--cfg", "-c", "--info", "-i")
 _REFUSED = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun")
 
 
@@ -120,7 +127,9 @@ def hydra_argv(argv: list[str]) -> list[str]:
     while i < len(argv):
         a = argv[i]
         i += 1
-        if not a.startswith("-") or a == "-":
+        if a in ("-", "") or a.startswith("="):
+            raise ConfigError(f"{a!r}: not an override (key=value) or an option")
+        if not a.startswith("-"):
             overrides.append(a)
             continue
         name, eq, value = a.partition("=")
@@ -138,27 +147,51 @@ def hydra_argv(argv: list[str]) -> list[str]:
                 raise ConfigError(f"{shown}: needs a value" + (f" ({', '.join(choices)})" if choices else ""))
             if value and choices is not None and value not in choices:
                 raise ConfigError(f"{shown}: allowed values are {', '.join(choices)}")
-            flags.append(f"{name}={value}" if value else name)
+            # a bare --info takes its default, so that Hydra's parser does not take the next override for it
+            flags.append(f"{name}={value}" if value else f"{name}=all" if name in _OPTIONAL else name)
         elif name in _BARE and not eq:
             flags.append(a)
         else:
             raise ConfigError(f"{a}: not an option of a run (options: -m, --cfg job|hydra|all, --resolve, "
                               "--info, --help, --version; see python -m kvexp --help)")
+    multirun = any(f in ("-m", "--multirun") for f in flags)
+    used = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    keys = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key in _FOLDER_KEYS:
+            raise ConfigError(f"{o}: {_FOLDER_KEYS[key]}")
+        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+            if not value.strip(" '\""):
+                raise ConfigError(f"{o}: give a folder (an empty one would be the current folder)")
+            if key != used and used not in keys:  # the only folder given is one this mode does not write into
+                raise ConfigError(f"{o}: a {'sweep (-m)' if multirun else 'single run'} writes into {used}, so "
+                                  f"{key} would be ignored")
     modes = [f.partition("=")[0] for f in flags if f.partition("=")[0] in _MODES]
     if len(modes) > 1:
-        raise ConfigError(f"{' and '.join(modes)}: a run takes one of -m, --run, --cfg, --info and --shell-completion "
+        raise ConfigError(f"{' and '.join(modes)}: a run takes one of -m, --run, --cfg and --info "
                           "(to see a job's config, give --cfg job without -m and one value per key)")
     return [*flags, *overrides]
 
 
 # backend keys that only set up a server kvexp launches (an attached one is as its owner started it)
 LAUNCH_ONLY = ("host", "port", "stop_grace_s", "extra_args", "env", "binary", "python", "threads", "n_gpu_layers",
-               "enforce_eager")
+               "enforce_eager", "flash_attn", "flash_attention", "kv_rotation", "dtype", "block_size",
+               "gpu_memory_utilization", "kv_cache_memory_bytes")
 
 
-def refuse_launch_only(overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]]) -> None:
-    """A launch setting given for a job that attaches to a running server (backend.endpoint) would be
-    ignored: refused, naming both."""
+def refuse_unread(overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]]) -> None:
+    """A setting no job would read is refused, naming why: a model file for a backend no job runs
+    (model.hf with backend=llamacpp), and a launch setting for a job that attaches to a running server
+    (backend.endpoint)."""
+    served = {REGISTRY[cfg.backend.name].served_field(cfg.model) for _, cfg in jobs}
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        field = key.split(".", 1)[1] if key.startswith("model.") else None
+        if field in ("gguf", "hf", "ollama") and field not in served:
+            backends_ = sorted({cfg.backend.name for _, cfg in jobs})
+            raise ConfigError(f"{key}: no job of this run serves it (backend={','.join(backends_)} serves model."
+                              f"{'/'.join(sorted(served))}); drop it, or add the backend that serves it")
     for job_overrides, cfg in jobs:
         if not cfg.backend.endpoint:
             continue
@@ -197,7 +230,12 @@ def sweep_overrides(overrides: list[str]) -> list[list[str]]:
     axes = []
     for o in parsed:
         if o.is_sweep_override():
-            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+            values = list(o.sweep_string_iterator())
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:  # the same job twice, and a report comparing it with itself
+                raise ConfigError(f"{o.input_line}: {twice[0]} is given twice; each value is one job (repeat a "
+                                  "job's levels with scenario.repeats)")
+            axes.append([f"{o.get_key_element()}={v}" for v in values])
         else:
             axes.append([o.input_line])
     return [list(c) for c in itertools.product(*axes)] if axes else [[]]

@@ -183,6 +183,10 @@ class LlamaCpp(Adapter):
 
     def _spec(self) -> ServerSpec:
         s, b = self.cfg.scenario, self.b
+        if rotates(self.kv_type) and b.flash_attn == FlashAttn.off and not b.endpoint:
+            raise ConfigError(f"kv={self.cfg.kv.name} ({self.kv_type}) with backend.flash_attn=off: llama-server "
+                              "refuses a quantised V cache without flash attention (it exits before it is ready); "
+                              "use backend.flash_attn=on or auto")
         slots, slots_source = server_slots(s, b.parallel)
         unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
         # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)

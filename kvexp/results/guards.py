@@ -33,6 +33,7 @@ MAX_RATE = 1e7  # output tokens or requests per second: no server comes near
 MAX_LATENCY_MS = 1e9  # 11.6 days: no request of a benchmark takes that long
 MAX_REQUESTS = 1_000_000  # requests in one level (the schema's bound)
 MAX_RUN_LEVELS = 1024  # level entries (levels x repeats) of one job: a run config allows no more
+MAX_REPEATS = 1000  # scenario.repeats (a level's repeat is 0 .. MAX_REPEATS - 1)
 NOT_REGULAR = "not a regular file (a device, FIFO or socket); not a kvexp file"
 
 
@@ -176,6 +177,9 @@ def level_errors(parts: tuple, lv: dict) -> list[str]:
         if v is not None and v > MAX_RATE:
             out.append(f"{_path((*parts, key))}: {v:g} {unit} is above {MAX_RATE:g} {unit}, more than any server "
                        "serves; not a measurement")
+    repeat = lv.get("repeat")
+    if isinstance(repeat, int) and not isinstance(repeat, bool) and repeat >= MAX_REPEATS:
+        out.append(f"{_path((*parts, 'repeat'))}: {repeat:,} is beyond the {MAX_REPEATS:,} repeats a job may have")
     for key, v in lv.items():
         if isinstance(key, str) and key.endswith("_ms") and (x := _num(v)) is not None and x > MAX_LATENCY_MS:
             out.append(f"{_path((*parts, key))}: {x:g} ms is above {MAX_LATENCY_MS:g} ms (11.6 days); "

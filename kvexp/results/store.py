@@ -249,12 +249,12 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
             if not found:
                 raise ResultError(f"{p}: no {RESULT_FILE} found in this folder")
             out += found
-        elif p.exists():
+        elif p.exists() or p.is_symlink():  # (a link to nowhere, or a loop of links: its read says which)
             out.append(p)
         else:
             raise ResultError(f"{p}: no such file or folder")
-    seen: set[Path] = set()  # a file named twice (itself and in its folder, say) is one run, read once
-    return [f for f in out if not (f.resolve() in seen or seen.add(f.resolve()))]
+    seen: set[str] = set()  # a file named twice (itself and in its folder, say) is one run, read once
+    return [f for f in out if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
 
 
 def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
