@@ -53,6 +53,15 @@ def _tool(src: Path, edit: Callable[[Any], Any], name: str = "bench.json") -> Ca
     return make
 
 
+def _text(edit: Callable[[str], str]) -> Callable[[Path], Path]:
+    """A valid result whose JSON text is edited (what json.dumps cannot write)."""
+    def make(d: Path) -> Path:
+        p = d / "result.json"
+        p.write_text(edit(KVEXP_RESULT.read_text()))
+        return p
+    return make
+
+
 def _fifo(d: Path) -> Path:
     os.mkfifo(d / "x.json")
     return d / "x.json"
@@ -202,3 +211,19 @@ def test_the_valid_fixtures_still_read_with_every_command(tmp_path):
     assert rc == 0 and "12 row(s) from 4 run(s)" in out, out
     rc, out = kvexp("report", str(FIX), "--out", str(tmp_path / "rep"), cwd=tmp_path)
     assert rc == 0 and (tmp_path / "rep" / "report.md").is_file(), out[-2000:]
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.replace('"label":', '"label": "other", "label":', 1),
+     "the key 'label' is given twice in one object, and readers disagree on which value counts"),
+    (lambda t: t.replace('"label":', '"n": ' + "9" * 5000 + ', "label":', 1),
+     "an integer of more than 4,300 digits: not a measurement"),
+], ids=["a key twice", "5,000 digits"])
+def test_json_that_readers_would_take_differently_is_refused(tmp_path, edit, why):
+    """A key given twice was read as valid (the last value won, silently); a 5,000-digit number was refused
+    with Python's advice to change an interpreter setting."""
+    path = _text(edit)(tmp_path)
+    rc, out = kvexp("validate", str(path), cwd=tmp_path)
+    assert rc == 1 and out.strip() == f"{path}: not JSON: {why}", out
+    rc, out = kvexp("results", str(path), cwd=tmp_path)
+    assert rc == 1 and out.strip() == f"kvexp: {path}: not JSON ({why})", out

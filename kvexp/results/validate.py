@@ -9,6 +9,7 @@ its JSON path instead of read for ever or crashing."""
 from __future__ import annotations
 
 import json
+import sys
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -157,9 +158,25 @@ def parse_json(text: str | bytes) -> Any:
     if guards.too_deep(text if isinstance(text, str) else text.decode("utf-8", "replace")):
         raise TooDeep(too_deep)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object)
     except RecursionError:
         raise TooDeep(too_deep) from None
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # Python's own text advises a setting of the interpreter
+            raise ValueError(f"an integer of more than {sys.get_int_max_str_digits():,} digits: not a "
+                             "measurement") from None
+        raise
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; one that gives a key twice is refused (readers disagree on which value counts)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {twice!r} is given twice in one object, and readers disagree on which "
+                         "value counts")
+    return obj
 
 
 def kind_of(doc: Any) -> str:
