@@ -120,6 +120,8 @@ REFUSED = [
      "allowed: 0 with one turn"),
     (["scenario.slo_percentile=p99"], "scenario.slo_percentile=p99: the percentile the latency objectives", ""),
     (["scenario.search_min_growth=0.2"], "scenario.search_min_growth=0.2: only an SLO search", ""),
+    (["scenario.prefix_groups=4"], "scenario.prefix_groups=4: the number of shared prefixes", "without a prefix"),
+    (["scenario.trace_block_tokens=16"], "scenario.trace_block_tokens=16: the tokens each hash id", "without a trace"),
     # flags kvexp sets, in the other spellings the servers read
     (["backend=vllm", "backend.extra_args=[--max_model_len,512]"], "backend.extra_args: --max_model_len is set by "
      "kvexp itself", "use backend.context"),
@@ -195,6 +197,7 @@ def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, st
     [*RATES, "scenario.max_concurrency=4", "scenario.arrival=poisson"],
     ["scenario.slo_tpot_ms=50", "scenario.slo_percentile=p99"],
     ["scenario=multiturn", "scenario.conversation.think_time_s=2"],
+    ["scenario=prefix", "scenario.prefix_groups=4"], ["scenario=trace", "scenario.trace_block_tokens=16"],
     ["scenario=trace", "scenario.time_scale=0.5"],
     ["kv=q4_0", "kv.per_backend.llamacpp=q4_0"],
     ["backend=vllm", "kv=fp8", "kv.per_backend.vllm=fp8_e5m2"],

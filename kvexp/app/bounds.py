@@ -22,6 +22,7 @@ MAX_WAIT_S = 86_400.0  # a timeout: a day
 MAX_SLO_MS = MAX_WAIT_S * 1000  # a latency objective: a day
 MAX_POLL_S = 60.0  # a sampling interval
 MAX_LEVELS = MAX_STREAMS  # levels of a job, a search's filled grid included
+DEFAULTS = ScenarioConfig  # the defaults of the settings that only some scenarios read
 DEFAULT_MIN_GROWTH = ScenarioConfig.search_min_growth
 MAX_LAYERS = 65_536  # a model's layers, KV heads, head size; the layers offloaded to the GPU
 MAX_PARAMS_B = 100_000.0  # billions of parameters (100 trillion)
@@ -155,6 +156,13 @@ def check_together(s: ScenarioConfig) -> None:
     require(s.slo_percentile == "p95" or not no_slo,
             f"scenario.slo_percentile={s.slo_percentile}: the percentile the latency objectives (scenario.slo_ttft_ms, "
             "scenario.slo_tpot_ms) are held to, and none is set; allowed: p95 (the default) without objectives")
+    require(s.prefix_groups == DEFAULTS.prefix_groups or s.prefix_tokens > 0,
+            f"scenario.prefix_groups={s.prefix_groups}: the number of shared prefixes of scenario.prefix_tokens "
+            "tokens, and scenario.prefix_tokens=0 shares none; allowed: 1 (the default) without a prefix")
+    require(s.trace_block_tokens == DEFAULTS.trace_block_tokens or bool(s.trace),
+            f"scenario.trace_block_tokens={s.trace_block_tokens}: the tokens each hash id of a trace stands for, "
+            f"and no trace is replayed (scenario.trace); allowed: {DEFAULTS.trace_block_tokens} (the default) "
+            "without a trace")
     growth = s.search_min_growth
     require(growth == DEFAULT_MIN_GROWTH or s.search is not None or not math.isfinite(growth or 0),  # (inf: below)
             f"scenario.search_min_growth={s.search_min_growth}: only an SLO search (scenario.search) stops on a "
