@@ -303,7 +303,7 @@ def _refused(e: Exception) -> int:
 
 
 def cmd_validate(argv: list[str]) -> int:
-    from kvexp.results.store import RESULT_FILE
+    from kvexp.results.store import RESULT_FILE, once
     from kvexp.results.validate import check_file
 
     ap = _Parser(prog="kvexp validate", description="Validate kvexp result files (and other tools' result "
@@ -318,11 +318,7 @@ def cmd_validate(argv: list[str]) -> int:
         if not found:
             print(f"{printable(str(given))}: no {RESULT_FILE} found in this folder")
             bad += 1
-        for f in found:
-            real = os.path.realpath(f)  # (a loop of links is checked below, not here)
-            if real in seen:
-                continue
-            seen.add(real)
+        for f in once(found, seen):
             errs = check_file(f)
             if given.is_dir() and len(errs) > 1:  # a folder: one line per file, the file itself has them all
                 errs = [f"{errs[0]} (and {len(errs) - 1} more: kvexp validate {shlex.quote(str(f))})"]

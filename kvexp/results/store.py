@@ -253,8 +253,19 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
             out.append(p)
         else:
             raise ResultError(f"{p}: no such file or folder")
-    seen: set[str] = set()  # a file named twice (itself and in its folder, say) is one run, read once
-    return [f for f in out if not (os.path.realpath(f) in seen or seen.add(os.path.realpath(f)))]
+    return once(out, set())
+
+
+def once(paths: Iterable[Path], seen: set[str]) -> list[Path]:
+    """Each file once, however it was named (itself and through its folder, or a link): those of paths whose
+    real path is not in seen yet, which they are added to (a loop of links is kept, for its read to name)."""
+    out = []
+    for f in paths:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
 
 
 def foreign_files(folder: Path, job_dirs: set[Path]) -> list[Path]:
