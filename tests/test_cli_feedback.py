@@ -139,6 +139,20 @@ def test_a_mixed_sweep_runs_with_backend_only_keys(fake, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- 2. resume
+def test_jobs_that_share_a_label_are_each_counted(fake, tmp_path, capsys):
+    """A sweep over backend.threads: two jobs, one label. A second run into its folder counts both results
+    (it said 1), and a resume finds both finished."""
+    folder = tmp_path / "s"
+    args = ["-m", f"backend.binary={fake}", "backend.threads=1,2", *FAST, f"hydra.sweep.dir={folder}"]
+    assert kvexp(*args) == 0
+    capsys.readouterr()
+    assert kvexp(*args) == 1
+    assert capsys.readouterr().err.startswith(f"kvexp: {folder}: already holds 2 result(s)")
+    assert kvexp("resume", str(folder)) == 0
+    assert capsys.readouterr().err.strip() == (f"kvexp: nothing to resume in {folder}: its 2 jobs are finished "
+                                               "(2 complete)")
+
+
 def test_resume_measures_what_is_missing_and_then_has_nothing_to_do(fake, tmp_path, capsys):
     folder = tmp_path / "s"
     assert kvexp("-m", f"backend.binary={fake}", "kv=fp16,q8_0", *FAST, f"hydra.sweep.dir={folder}") == 0
@@ -389,6 +403,27 @@ def test_a_file_named_twice_is_validated_once_and_a_loop_of_links_is_named(tmp_p
     (tmp_path / "other.json").symlink_to(loop)
     assert main(["results", str(loop)]) == 1
     assert capsys.readouterr().err == f"kvexp: {loop}: cannot read: Too many levels of symbolic links\n"
+
+
+def test_a_loop_of_links_inside_a_folder_is_named_not_missed(tmp_path, capsys):
+    """A result.json that is a link to nowhere or a loop of links, inside a folder given: named with why it
+    cannot be read (it was "no result.json found in this folder")."""
+    (tmp_path / "run").mkdir()
+    loop = tmp_path / "run" / "result.json"
+    loop.symlink_to(loop)
+    for command in ("results", "report"):
+        assert main([command, str(tmp_path), *(["--out", str(tmp_path / "out")] if command == "report" else [])]) == 1
+        assert capsys.readouterr().err == f"kvexp: {loop}: cannot read: Too many levels of symbolic links\n"
+    assert main(["validate", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == f"{loop}: cannot read: Too many levels of symbolic links\n"
+
+
+def test_version_and_plan_refuse_what_they_would_ignore(capsys):
+    assert main(["--version", "extra"]) == 1
+    assert capsys.readouterr().err == "kvexp: --version takes no other argument (given: --version extra)\n"
+    assert main(["plan", *TINY, "--cfg", "job"]) == 1
+    assert capsys.readouterr().err == ("kvexp: plan: --cfg: not a flag plan takes; allowed: overrides (group=option, "
+                                       "group.key=value), --gpus and -m\n")
 
 
 def test_a_report_title_longer_than_a_page_heading_is_refused(tmp_path, capsys):

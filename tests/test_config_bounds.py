@@ -122,6 +122,12 @@ REFUSED = [
     (["scenario.search_min_growth=0.2"], "scenario.search_min_growth=0.2: only an SLO search", ""),
     (["scenario.prefix_groups=4"], "scenario.prefix_groups=4: the number of shared prefixes", "without a prefix"),
     (["scenario.trace_block_tokens=16"], "scenario.trace_block_tokens=16: the tokens each hash id", "without a trace"),
+    (["quality.depths=[64]"], "quality.depths=[64]: read only when the job measures quality, and this one does not",
+     "allowed: quality.enabled=true (or scenario=quality)"),
+    (["quality.prompts=2", "quality.seed=3"], "quality.prompts=2: read only when the job measures quality", ""),
+    (["scenario=sharegpt", "scenario.conversation.turns=5"], "scenario.conversation.turns=5: a dataset entry's "
+     "conversation replays its own user turns, and the longest in scenario.dataset=@sharegpt-tiny.jsonl has 3",
+     "allowed: 1..3 with this dataset"),
     # flags kvexp sets, in the other spellings the servers read
     (["backend=vllm", "backend.extra_args=[--max_model_len,512]"], "backend.extra_args: --max_model_len is set by "
      "kvexp itself", "use backend.context"),
@@ -199,6 +205,8 @@ def test_the_real_command_line_says_one_line_and_exits_1(tmp_path, overrides, st
     ["scenario=multiturn", "scenario.conversation.think_time_s=2"],
     ["scenario=prefix", "scenario.prefix_groups=4"], ["scenario=trace", "scenario.trace_block_tokens=16"],
     ["scenario=trace", "scenario.time_scale=0.5"],
+    ["quality.enabled=true", "quality.depths=[64]", "quality.prompts=2"], ["scenario=quality", "quality.chunks=2"],
+    ["scenario=sharegpt", "scenario.conversation.turns=3"],
     ["kv=q4_0", "kv.per_backend.llamacpp=q4_0"],
     ["backend=vllm", "kv=fp8", "kv.per_backend.vllm=fp8_e5m2"],
     ["backend.host=::1"], ["backend.host=localhost"], ["client.workers=auto"], ["client.workers=1"],

@@ -96,7 +96,7 @@ def _check_config(cfg: ExperimentConfig, kv_choices: dict[str, KVConfig] | None,
     check_known_keys(cfg)
     check_ranges(cfg)
     bounds.check_together(s)
-    check_quality(cfg.quality)
+    check_quality(cfg.quality, measured=cfg.quality.enabled or s.kind == "quality")
     _require(0.0 <= s.max_error_rate <= 1.0, f"scenario.max_error_rate={s.max_error_rate}: must be in [0, 1]")
     check_kv(b.name, kv, kv_choices)
     adapter_class(b.name).check_environment(b)
@@ -238,7 +238,9 @@ def check_client(c: ClientConfig) -> None:
              f"client.event_loop={c.event_loop!r}: allowed values are auto, asyncio, uvloop")
 
 
-def check_quality(q: QualityConfig) -> None:
+def check_quality(q: QualityConfig, measured: bool = True) -> None:
+    """The quality settings in range; when the job measures no quality (measured=False: neither
+    quality.enabled nor a quality scenario), none changed from its default, as none would be read."""
     _require(bool(q.depths) and all(d >= 16 for d in q.depths),
              f"quality.depths={list(q.depths)}: give context depths of at least 16 tokens, e.g. [512,2048]")
     _require(len(q.depths) <= MAX_DEPTHS and all(d <= MAX_TOKENS for d in q.depths),
@@ -251,3 +253,9 @@ def check_quality(q: QualityConfig) -> None:
     problem = None if q.text is None else file_problem(Path(q.text).expanduser())
     _require(problem is None,
              f"quality.text={q.text}: {problem} (give a UTF-8 text file, or leave it unset for kvexp's own)")
+    defaults = QualityConfig()
+    for f in dataclasses.fields(QualityConfig):
+        value = getattr(q, f.name)
+        _require(measured or f.name == "enabled" or value == getattr(defaults, f.name),
+                 f"quality.{f.name}={value}: read only when the job measures quality, and this one does not; "
+                 "allowed: quality.enabled=true (or scenario=quality), or leave quality.* unset")

@@ -303,7 +303,7 @@ def _refused(e: Exception) -> int:
 
 
 def cmd_validate(argv: list[str]) -> int:
-    from kvexp.results.store import RESULT_FILE, once
+    from kvexp.results.store import RESULT_FILE, once, result_files
     from kvexp.results.validate import check_file
 
     ap = _Parser(prog="kvexp validate", description="Validate kvexp result files (and other tools' result "
@@ -314,7 +314,7 @@ def cmd_validate(argv: list[str]) -> int:
     bad = 0
     seen: set[str] = set()  # a file named twice (itself and in its folder) is validated once
     for given in args.files:
-        found = sorted(given.rglob(RESULT_FILE)) if given.is_dir() else [given]
+        found = result_files(given) if given.is_dir() else [given]
         if not found:
             print(f"{printable(str(given))}: no {RESULT_FILE} found in this folder")
             bad += 1
@@ -396,6 +396,10 @@ def cmd_plan(argv: list[str]) -> int:
         return 0
     try:
         argv, gpus = whatif_args(argv)
+        flag = next((a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")), None)
+        if flag is not None:  # Hydra's flags (--cfg, --info, ...) belong to a run, not to the planner
+            raise ConfigError(f"plan: {flag}: not a flag plan takes; allowed: overrides (group=option, "
+                              "group.key=value), --gpus and -m")
         refuse_repeats([a for a in argv if not a.startswith("-")])
         cfgs = [cfg for _, cfg in compose_all([a for a in argv if a not in ("-m", "--multirun")])]
         from kvexp.app import preflight
@@ -548,6 +552,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "--version" in argv:
             from kvexp.core import __version__
 
+            if len(argv) > 1:  # it would run nothing of what the rest asks for
+                print(f"kvexp: --version takes no other argument (given: {printable(' '.join(argv))})", file=sys.stderr)
+                return 1
             print(f"kvexp {__version__}")
             return 0
         from kvexp.app import helptext

@@ -118,19 +118,20 @@ def ensure_writable(folder: Path) -> None:
         raise ConfigError(f"{folder}: cannot write results here: {e.strerror or e}") from None
 
 
-def existing_results(folder: Path, multirun: bool) -> dict[str, tuple[Path, Optional[str]]]:
-    """label -> (result file, config hash) of the results already in a run or sweep folder."""
+def existing_results(folder: Path, multirun: bool) -> list[tuple[Path, str, Optional[str]]]:
+    """(result file, label, config hash) of each result already in a run or sweep folder (jobs of one
+    sweep may share a label, e.g. a sweep over backend.threads: each is its own entry)."""
     paths = sorted(folder.glob(f"*/{RESULT_FILE}")) if multirun else [folder / RESULT_FILE]
-    out = {}
+    out = []
     for p in paths:
         if not p.is_file():
             continue
         try:
             _, doc = load_document(p)
         except ResultError:
-            out[p.parent.name] = (p, None)
+            out.append((p, p.parent.name, None))
             continue
-        out[str(doc.get("label") or p.parent.name)] = (p, doc.get("config_hash"))
+        out.append((p, str(doc.get("label") or p.parent.name), doc.get("config_hash")))
     return out
 
 
@@ -150,14 +151,14 @@ def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) ->
     summary (sweep.json)."""
     if multirun and not (folder / "sweep.json").is_file():
         return None
-    paths = {label: path for label, (path, _) in existing_results(folder, multirun).items()}
+    paths = {(label, sha): path for path, label, sha in existing_results(folder, multirun)}
     counts: dict[str, int] = {}
     for cfg in cfgs:
-        label = job_label(cfg)
-        if label not in paths:
+        path = paths.get((job_label(cfg), spec_hash(cfg)))
+        if path is None:
             return None
         try:
-            _, doc = load_document(paths[label])
+            _, doc = load_document(path)
         except ResultError:
             return None
         if not is_finished(doc, cfg):
@@ -193,15 +194,17 @@ def check_resume(folder: Path, multirun: bool, overrides: list[str],
     task = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]  # Hydra's own: not the spec
     saved = saved_task_overrides(folder, multirun)
     results = existing_results(folder, multirun)
-    new = {job_label(cfg): spec_hash(cfg) for _, cfg in jobs}
+    new: dict[str, set[str]] = {}
+    for _, cfg in jobs:
+        new.setdefault(job_label(cfg), set()).add(spec_hash(cfg))
     why = None
     if saved is not None and saved != sorted(_spec_args(task)):
         why = f"its overrides were {' '.join(saved) or '(none)'}, now {' '.join(sorted(_spec_args(task))) or '(none)'}"
-    for label, (path, old) in results.items():
+    for _, label, old in results:
         if why:
             break
-        if label in new and old is not None and old != new[label]:
-            why = f"job {label}: config hash {old}, now {new[label]}"
+        if label in new and old is not None and old not in new[label]:
+            why = f"job {label}: config hash {old}, now {' or '.join(sorted(new[label]))}"
     if why is None:
         return
     fresh = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in ("resume", *DIR_KEYS)]
@@ -269,7 +272,7 @@ def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], E
     if not resume:
         found = existing_results(folder, multirun)
         if found:
-            raise ConfigError(f"{folder}: already holds {len(found)} result(s) ({next(iter(found.values()))[0]}); "
+            raise ConfigError(f"{folder}: already holds {len(found)} result(s) ({found[0][0]}); "
                               "add resume=true to finish that run, or choose another folder")
     if given:
         return list(argv), folder

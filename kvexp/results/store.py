@@ -244,7 +244,7 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
     for p in paths:
         p = Path(p)
         if p.is_dir():
-            found = sorted(p.rglob(RESULT_FILE))
+            found = result_files(p)
             found += foreign_files(p, {f.parent for f in found})
             if not found:
                 raise ResultError(f"{p}: no {RESULT_FILE} found in this folder")
@@ -254,6 +254,12 @@ def find_results(paths: Iterable[Path]) -> list[Path]:
         else:
             raise ResultError(f"{p}: no such file or folder")
     return once(out, set())
+
+
+def result_files(folder: Path) -> list[Path]:
+    """Every result.json under a folder, a link to nowhere or a loop of links included (its read says
+    which): the plain name globs only entries that resolve, a pattern lists each by its name."""
+    return sorted(folder.rglob(RESULT_FILE[:-1] + f"[{RESULT_FILE[-1]}]"))
 
 
 def once(paths: Iterable[Path], seen: set[str]) -> list[Path]:

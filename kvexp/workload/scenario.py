@@ -114,7 +114,11 @@ def check_scenario(s: ScenarioConfig) -> None:
     require(1 <= s.trace_block_tokens <= MAX_TOKENS,
             f"scenario.trace_block_tokens={s.trace_block_tokens}: must be in 1..{MAX_TOKENS:,}")
     if s.dataset:
-        _file_key("scenario.dataset", s.dataset, load_dataset)
+        entries = _file_key("scenario.dataset", s.dataset, load_dataset)
+        most = max((len(e.user_turns) for e in entries), default=1)
+        require(c.turns <= most, f"scenario.conversation.turns={c.turns}: a dataset entry's conversation replays its "
+                f"own user turns, and the longest in scenario.dataset={s.dataset} has {most}; allowed: 1..{most} "
+                "with this dataset")
     if s.trace:
         require(not s.concurrency and not s.rates and not s.search,
                 "scenario.trace: a trace is its own schedule; leave scenario.concurrency and scenario.rates empty "
