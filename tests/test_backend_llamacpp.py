@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY
 
-from kvexp.backends.llamacpp import LlamaCpp, parse_kv_log, slots_usage
+from kvexp.backends.llamacpp import LlamaCpp, extra_args_problem, parse_kv_log, server_flags, slots_usage
 from kvexp.backends.openai import parse_sse_line
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.app.compose import compose
@@ -134,3 +134,20 @@ def test_real_server_exact_prompts_forced_output_and_kv(server):
     assert chat.ok and chat.prompt_tokens == 40 and chat.output_tokens == 7
     assert version
     assert usage == 0.0  # idle after the requests
+
+
+def test_extra_args_are_read_as_the_servers_own_parser_reads_them(llama_server):
+    """The flags and how many values each takes come from the build's own --help; an item llama-server
+    would refuse (and exit before it is ready) is named before anything starts."""
+    program = str(llama_server)
+    flags = server_flags(program)
+    assert (flags["-np"], flags["--kv-unified"], flags["-fa"], flags["--control-vector-layer-range"],
+            flags["-ot"]) == (1, 0, 1, 2, 1)
+    assert extra_args_problem(program, ["--swa_full", "--cache-ram", "0", "-ot", "x=CPU"]) is None
+    assert extra_args_problem(program, ["-np8"]) == ("backend.extra_args: '-np8' is not a flag this llama-server "
+                                                     "reads; a flag and its value are two items: [-np,8]")
+    assert extra_args_problem(program, ["--cache-ram=0"]).endswith("two items: [--cache-ram,0]")
+    assert extra_args_problem(program, ["--jinja", "5"]).startswith("backend.extra_args: '5' is not a flag")
+    assert extra_args_problem(program, ["--cache-ram"]) == ("backend.extra_args: --cache-ram takes 1 value(s), and "
+                                                            "the list ends before them")
+    assert server_flags(str(Path(__file__))) == {}  # no --help to read: the server's own parse says

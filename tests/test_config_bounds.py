@@ -136,6 +136,10 @@ REFUSED = [
     (["backend=vllm", "backend.extra_args=[--kv_cache_dtype,fp8]"], "backend.extra_args: --kv_cache_dtype is set", ""),
     (["backend.extra_args=[--no-slots]"], "backend.extra_args: --no-slots is set by kvexp itself", "slots"),
     (["backend.extra_args=[--log-disable]"], "backend.extra_args: --log-disable is set by kvexp itself", "log"),
+    (["backend.extra_args=[-np8]"], "backend.extra_args: '-np8' is not a flag this llama-server reads; a flag and "
+     "its value are two items: [-np,8]", ""),
+    (["backend.extra_args=[--no-such-flag]"], "backend.extra_args: '--no-such-flag' is not a flag this llama-server "
+     "reads", "--help` lists every one"),
     (["+backend.env.LLAMA_ARG_KV_UNIFIED=1"], "backend.env.LLAMA_ARG_KV_UNIFIED: llama.cpp reads every LLAMA_ARG_* "
      "variable as a command-line flag", "give the flag in backend.extra_args"),
     # 6. a label every reader would refuse

@@ -248,3 +248,30 @@ def test_a_signal_landing_in_a_finalizer_is_not_printed(monkeypatch):
     finally:
         process.restore_signals(handlers)
     assert [type(e) for e in printed] == [ValueError]
+
+
+def test_a_signal_a_finalizer_swallowed_ends_the_command_at_once():
+    """A SIGTERM whose Interrupted lands in a finalizer (Python cannot raise it there) is raised again in
+    the main thread at its next instruction: the work after the collection never finishes. It used to
+    wait for the command's next checkpoint (seconds later during a report)."""
+    import gc
+
+    from kvexp.backends import process
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, inside the finalizer
+                pass
+
+    handlers = process.raise_on_signals()
+    steps = 0
+    try:
+        with pytest.raises(process.Interrupted, match="SIGTERM"):
+            Finalized()
+            gc.collect()
+            for steps in range(1, 10_000_001):
+                pass
+    finally:
+        process.restore_signals(handlers)
+    assert steps < 10_000_000

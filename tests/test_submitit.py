@@ -86,7 +86,8 @@ def test_the_sweep_report_gathers_jobs_from_other_processes(sweeps):
 
 def test_a_job_that_fails_in_another_process_fails_the_sweep(llama_server, tmp_path):
     p = kvexp(["-m", "hydra/launcher=submitit_local", "scenario=smoke", f"backend.binary={llama_server}",
-               "backend.extra_args=[--no-such-flag]"], tmp_path)
+               "backend.extra_args=[--lora,/nonexistent/adapter.gguf]"],  # a flag it reads; it exits loading the file
+              tmp_path)
     assert p.returncode == 1
     assert "1 job(s) failed: llamacpp-tiny-fp16-smoke" in p.stderr
     (res,) = sweep_dir(tmp_path).glob("*/result.json")

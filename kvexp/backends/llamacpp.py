@@ -7,7 +7,10 @@ slots over total slot context)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +40,8 @@ CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the
 CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+# a line of `llama-server --help` that names an option: its spellings, then the placeholder of its value(s)
+HELP_OPTION = re.compile(r"((?:-{1,2}[A-Za-z][\w.-]*)(?:,\s+-{1,2}[A-Za-z][\w.-]*)*)(?: ([^ ].*?))?(?:\s{2,}|$)")
 
 
 def slot_dir() -> Path:
@@ -132,6 +137,51 @@ def check_gguf_model(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"model.gguf: {e}") from None
 
 
+def server_flags(program: str) -> dict[str, int]:
+    """Each flag this llama-server build reads -> how many values follow it, from its own --help (builds
+    differ); {} when its help cannot be read. Cached per binary and modification."""
+    try:
+        st = os.stat(program)
+    except OSError:
+        return {}
+    return _help_flags(program, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _help_flags(program: str, mtime_ns: int, size: int) -> dict[str, int]:
+    try:
+        text = subprocess.run([program, "--help"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    flags: dict[str, int] = {}
+    for line in text.splitlines():
+        m = HELP_OPTION.match(line) if line.startswith("-") else None
+        if m:  # "START END" takes two values; "<tensor name pattern>=<buffer type>,..." one
+            values = len(re.sub(r"<[^>]*>", "x", m.group(2)).split()) if m.group(2) else 0
+            flags.update(dict.fromkeys((f.strip() for f in m.group(1).split(",")), values))
+    return flags
+
+
+def extra_args_problem(program: str, args: list[str]) -> Optional[str]:
+    """What llama-server would refuse in backend.extra_args as it parses them (each item a flag it reads,
+    followed by its values; `--` flags may use _ for -), or None. It exits before it is ready on any."""
+    flags = server_flags(program) if args else {}
+    i = 0
+    while flags and i < len(args):
+        arg = str(args[i])
+        key = arg.replace("_", "-") if arg.startswith("--") else arg
+        if key not in flags:
+            glued = next((f for f in sorted(flags, key=len, reverse=True) if flags[f] and key.startswith(f)), None)
+            hint = (f"; a flag and its value are two items: [{glued},{key[len(glued):].lstrip('=')}]" if glued else
+                    f" (`{program} --help` lists every one)")
+            return f"backend.extra_args: {arg!r} is not a flag this llama-server reads{hint}"
+        if i + flags[key] >= len(args):
+            return f"backend.extra_args: {arg} takes {flags[key]} value(s), and the list ends before them"
+        i += 1 + flags[key]
+    return None
+
+
 class LlamaCpp(Adapter):
     name = "llamacpp"
     display_name = "llama.cpp"
@@ -208,6 +258,9 @@ class LlamaCpp(Adapter):
                     argv += ["--cache-ram", "0"]  # the host-RAM prompt cache would outlive a slot erase
             if b.n_gpu_layers is not None:
                 argv += ["-ngl", str(b.n_gpu_layers)]
+            problem = extra_args_problem(self.program, list(b.extra_args))
+            if problem:
+                raise ConfigError(problem)
             argv += list(b.extra_args)
         env = dict(b.env)
         if ROTATION_OFF_ENV in env:

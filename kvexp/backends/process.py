@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +33,8 @@ HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 INTERRUPT_GRACE_S = 3.0
 _interrupted: Optional[str] = None  # the signal that ended this command (its name), once one has
 _answered = False  # and the command has said so
+_swallowed = False  # the signal's Interrupted landed in a finalizer, which could not raise it
+_HOOK_CODE: set[Any] = set()  # the code of the unraisable hook that hands it back (_quiet_unraisable)
 _continued = 0  # SIGCONTs so far: kvexp itself was stopped (Ctrl-Z, SIGSTOP) and continued
 
 
@@ -177,7 +180,15 @@ def stop_all(grace_s: float = INTERRUPT_GRACE_S) -> None:
 
 def _repeat(signum: int, frame: object) -> None:
     """A signal after the one that ends kvexp: nothing (not SIG_IGN: a signal already pending when the
-    handler changes would then raise "ignored due to race condition" in the middle of the stop)."""
+    handler changes would then raise "ignored due to race condition" in the middle of the stop). The
+    one exception: the first signal's Interrupted, swallowed by a finalizer and handed back here."""
+    global _swallowed
+    if _swallowed and _interrupted is not None and not _answered:
+        if _in_hook(frame):  # still inside the hook that handed it back: hand it back once more
+            _hand_back()
+            return
+        _swallowed = False
+        deliver(Interrupted(_interrupted))
 
 
 def repeats_ignored() -> bool:
@@ -261,14 +272,45 @@ def continued() -> int:
 
 def _quiet_unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     """Python prints an exception it cannot raise (one from a finalizer or a garbage-collector callback)
-    with a traceback; a signal's Interrupted landing there is raised at the next raise_if_interrupted
-    instead, so it is not printed."""
+    with a traceback; a signal's Interrupted landing there is not printed but raised again in the main
+    thread, outside the finalizer (_hand_back). A command's checkpoints (raise_if_interrupted) would
+    only catch it later: during a report, seconds."""
     def quiet(unraisable: Any) -> None:
         if not isinstance(unraisable.exc_value, Interrupted):
             hook(unraisable)
+        elif _interrupted is not None and not _answered:
+            _hand_back()
 
     quiet.keeps_quiet_on_signals = True  # type: ignore[attr-defined]
+    _HOOK_CODE.add(quiet.__code__)
     return quiet
+
+
+def _hand_back() -> None:
+    """Repeat the signal to the main thread from another thread, once this one lets go of the interpreter
+    (the hook has returned by then, or _repeat hands it back again): the repeat also wakes the main thread
+    from a blocking call, and _repeat raises the swallowed Interrupted there."""
+    global _swallowed
+    _swallowed = True
+    go = threading.Event()
+
+    def repeat() -> None:
+        go.wait()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    try:
+        threading.Thread(target=repeat, daemon=True).start()
+    except RuntimeError:  # the interpreter is shutting down: its exit is the command's end anyway
+        return
+    go.set()
+
+
+def _in_hook(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code is _hand_back.__code__ or frame.f_code in _HOOK_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _process_exits = False  # kvexp runs as its own process (kvexp.app.cli.entry), which ends with the command
