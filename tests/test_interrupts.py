@@ -51,7 +51,10 @@ class Kvexp:
         found = []
         try:
             for p in psutil.Process(self.proc.pid).children(recursive=True):
-                if self.server in " ".join(p.cmdline()[:2]):  # the program, not a fork of kvexp about to exec
+                argv = p.cmdline()
+                # the program, not a fork of kvexp about to exec, nor the program asked for its --help
+                # (kvexp reads the flags this build takes before it checks backend.extra_args)
+                if self.server in " ".join(argv[:2]) and "--help" not in argv:
                     found.append(self.seen.setdefault(p.pid, p))
         except psutil.Error:  # kvexp or a short-lived child has just ended
             pass

@@ -275,3 +275,6 @@ def test_a_signal_a_finalizer_swallowed_ends_the_command_at_once():
     finally:
         process.restore_signals(handlers)
     assert steps < 10_000_000
+    # the command is over: the next one in this process (here a run_job, whose checkpoints look for a
+    # signal) starts with none; it used to find this SIGTERM and end at its first checkpoint
+    process.raise_if_interrupted()

@@ -325,9 +325,13 @@ def restore_signals(handlers: dict[int, object]) -> None:
     """Put back the handlers raise_on_signals (or quiet_on_signals) replaced; but where a signal ended the
     command and the process ends with it, a second one (Ctrl-C after a SIGTERM) stays ignored while kvexp
     leaves, and the first decides the exit status."""
+    global _interrupted, _answered, _swallowed
     if not (_process_exits and repeats_ignored()):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        # the command is over: a later one in this process (a test, a library caller of run_job) must not
+        # find its signal at a checkpoint
+        _interrupted, _answered, _swallowed = None, False, False
 
 
 atexit.register(stop_all)
