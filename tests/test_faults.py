@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -293,6 +294,54 @@ def test_a_run_whose_levels_all_failed_exits_non_zero(fake, tmp_path, capsys):
                       f"hydra.run.dir={tmp_path}/run") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "kvexp: 1 job(s) failed: llamacpp-tiny-fp16-smoke"
+
+
+class _Answers:
+    """An attached endpoint that is not the server it was named as: healthy, and every other path answered
+    200 with the same body."""
+
+    def __init__(self, body: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                data = (b'{"status": "ok"}' if self.path == "/health" else body.encode())
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("backend,body,reason", [
+    ("llamacpp", "{not json", "/slots answered HTTP 200 with a body that is not JSON: '{not json'"),
+    ("llamacpp", "[]", "/tokenize answered HTTP 200 with a JSON list where a dict was expected"),
+    ("llamacpp", '{"build_info": 7}', "/slots answered HTTP 200 with a JSON dict where a list was expected"),
+    ("vllm", "{}", "/tokenize answered HTTP 200 with an object without 'tokens' (list)"),
+], ids=["not JSON", "a list", "an object", "vLLM: no tokens"])
+def test_an_attached_endpoint_answering_other_json_fails_its_job_in_one_line(tmp_path, capsys, backend, body, reason):
+    """200 with a body that is not the JSON the backend's server answers used to end the run in a
+    traceback (`'list' object has no attribute 'get'`): it fails the job, saying which URL answered what."""
+    junk = _Answers(body)
+    try:
+        assert kvexp_main(f"backend={backend}", f"backend.endpoint={junk.url}",
+                          f"hydra.run.dir={tmp_path}/run") == 1
+    finally:
+        junk.server.shutdown()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kvexp: 1 job(s) failed: ")
+    res = load_document(tmp_path / "run" / "result.json")[1]
+    assert res["status"] == "failed" and junk.url + reason in res["status_reason"]
 
 
 # ---------------------------------------------------------------- 8. disk full, unwritable folder

@@ -22,6 +22,26 @@ class BackendError(RuntimeError):
     """A backend did something kvexp cannot work with; the message is one line."""
 
 
+async def answer_json(r: aiohttp.ClientResponse, shape: type = dict, **fields: type) -> Any:
+    """A server's JSON answer in the shape kvexp reads: `shape` (dict, or list), and each of `fields`
+    present with its type in the dict, or in every item of the list (then each an object); whatever its
+    content type. Anything else (an endpoint that is not the server it was named as, a proxy's error
+    page) is a BackendError naming the URL."""
+    try:
+        body = await r.json(content_type=None)
+    except ValueError:
+        raise BackendError(f"{r.method} {r.url} answered HTTP {r.status} with a body that is not JSON: "
+                           f"{(await r.text(errors='replace'))[:80]!r}") from None
+    if not isinstance(body, shape):
+        wrong: Optional[str] = f"a JSON {type(body).__name__} where a {shape.__name__} was expected"
+    else:
+        wrong = next((f"an object without {k!r} ({t.__name__})" for o in ([body] if shape is dict else body)
+                      for k, t in fields.items() if not (isinstance(o, dict) and isinstance(o.get(k), t))), None)
+    if wrong:
+        raise BackendError(f"{r.method} {r.url} answered HTTP {r.status} with {wrong}")
+    return body
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """What one line of a response stream says. Unknown is None."""

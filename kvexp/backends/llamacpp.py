@@ -21,7 +21,7 @@ from kvexp.assets import embedded
 from kvexp.assets.install import build_llama_server, find_llama_server
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
-                                 StreamEvent, TelemetrySample)
+                                 StreamEvent, TelemetrySample, answer_json)
 from kvexp.backends.prometheus import parse_metrics
 from kvexp.capacity import gguffile, modelinfo
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel
@@ -85,6 +85,9 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
         info.rotation_k, info.rotation_v = (rotation[x] != "0" if x in rotation else None for x in "kv")
         info.source.append("server log: llama_kv_cache attn_rot_k / attn_rot_v lines (rotation)")
     return info
+
+
+SLOT_FIELDS = {"id": int, "n_ctx": int}  # what kvexp reads of every slot /slots lists
 
 
 def slots_usage(slots: list[dict[str, Any]], unified: bool = False) -> Optional[float]:
@@ -285,25 +288,26 @@ class LlamaCpp(Adapter):
         async with session.post(self.base_url + "/tokenize",
                                 json={"content": text, "add_special": False}) as r:
             r.raise_for_status()
-            return list((await r.json())["tokens"])
+            return list((await answer_json(r, tokens=list))["tokens"])
 
     async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: Any) -> int:
         """Tokens the server will count for a chat request with this user message (or these messages)."""
         async with session.post(self.base_url + "/apply-template",
                                 json={"messages": openai.chat_messages(text)}) as r:
             r.raise_for_status()
-            templated = (await r.json())["prompt"]
+            templated = (await answer_json(r, prompt=str))["prompt"]
         async with session.post(self.base_url + "/tokenize",
                                 json={"content": templated, "add_special": True}) as r:
             r.raise_for_status()
-            return len((await r.json())["tokens"])
+            return len((await answer_json(r, tokens=list))["tokens"])
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
         try:
             async with session.get(self.base_url + "/props") as r:
                 if r.status == 200:
-                    return (await r.json()).get("build_info")
-        except aiohttp.ClientError:
+                    info = (await answer_json(r)).get("build_info")
+                    return info if isinstance(info, str) else None
+        except (aiohttp.ClientError, BackendError):  # a build that does not say: the version is unknown
             pass
         return None
 
@@ -313,7 +317,7 @@ class LlamaCpp(Adapter):
         try:
             async with session.get(self.base_url + "/slots") as r:
                 if r.status == 200:
-                    slots = await r.json()
+                    slots = await answer_json(r, list, **SLOT_FIELDS)
                     info.seqs = len(slots)
                     info.source.append("/slots: number of slots")
                     if info.capacity_tokens is None:
@@ -393,14 +397,14 @@ class LlamaCpp(Adapter):
         --slot-save-path, and --cache-ram 0 so that no host-RAM copy survives)."""
         async with session.get(self.base_url + "/slots") as r:
             r.raise_for_status()
-            ids = [int(slot["id"]) for slot in await r.json()]
+            ids = [slot["id"] for slot in await answer_json(r, list, **SLOT_FIELDS)]
         erased = 0
         for i in ids:
             async with session.post(self.base_url + f"/slots/{i}?action=erase") as r:
                 if r.status != 200:
                     raise BackendError(f"llama-server refused to erase slot {i}: HTTP {r.status} "
                                        f"{(await r.text())[:200]}")
-                erased += int((await r.json()).get("n_erased") or 0)
+                erased += (await answer_json(r, n_erased=int))["n_erased"]
         ram = "kept (backend.extra_args sets --cache-ram)" if any(
             a in CACHE_RAM_FLAGS for a in self.b.extra_args) else "off (--cache-ram 0)"
         return f"erased {len(ids)} slots ({erased} cached tokens); host-RAM prompt cache {ram}"
@@ -429,7 +433,7 @@ class LlamaCpp(Adapter):
         sample = TelemetrySample()
         async with session.get(self.base_url + "/slots") as r:
             if r.status == 200:
-                sample.kv_usage = slots_usage(await r.json(), self.spec.unified_kv)
+                sample.kv_usage = slots_usage(await answer_json(r, list, **SLOT_FIELDS), self.spec.unified_kv)
         async with session.get(self.base_url + "/metrics") as r:
             if r.status == 200:
                 m = parse_metrics(await r.text())

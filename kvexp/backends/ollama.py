@@ -39,7 +39,8 @@ import aiohttp
 from kvexp.assets import embedded
 from kvexp.assets.install import OLLAMA_VERSION, build_ollama, find_ollama
 from kvexp.backends import openai
-from kvexp.backends.base import PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent
+from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent,
+                                 answer_json)
 from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
@@ -399,8 +400,9 @@ class Ollama(Adapter):
         try:
             async with session.get(self.base_url + "/api/version") as r:
                 if r.status == 200:
-                    return (await r.json(content_type=None)).get("version")
-        except (aiohttp.ClientError, ValueError):
+                    version = (await answer_json(r)).get("version")
+                    return version if isinstance(version, str) else None
+        except (aiohttp.ClientError, BackendError):  # a server that does not say: the version is unknown
             pass
         return None
 
@@ -521,9 +523,11 @@ class Ollama(Adapter):
         async with session.get(self.base_url + "/api/ps") as r:
             if r.status != 200:
                 raise BackendError(f"ollama: /api/ps answered HTTP {r.status}")
-            data = await r.json(content_type=None)
+            models = (await answer_json(r)).get("models") or []
+        if not (isinstance(models, list) and all(isinstance(m, dict) for m in models)):
+            raise BackendError(f"ollama: /api/ps answered models that are not a list of objects: {str(models)[:80]}")
         out = []
-        for m in data.get("models") or []:
+        for m in models:
             out.append({"name": m.get("name") or m.get("model"), "size": _count(m, "size"),
                         "size_vram": _count(m, "size_vram"), "context_length": _count(m, "context_length")})
         return out

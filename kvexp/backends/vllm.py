@@ -28,7 +28,7 @@ from kvexp.assets import embedded
 from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
-                                 StreamEvent, TelemetrySample)
+                                 StreamEvent, TelemetrySample, answer_json)
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
 from kvexp.workload import scenario
@@ -358,7 +358,7 @@ class VLLM(Adapter):
         body = {"model": self.served_name, "prompt": text, "add_special_tokens": False}
         async with session.post(self.base_url + "/tokenize", json=body) as r:
             r.raise_for_status()
-            return list((await r.json())["tokens"])
+            return list((await answer_json(r, tokens=list))["tokens"])
 
     async def chat_prompt_tokens(self, session: aiohttp.ClientSession, text: Any) -> int:
         """Tokens the server will count for a chat request with this user message (or these messages)."""
@@ -366,14 +366,15 @@ class VLLM(Adapter):
                 "add_generation_prompt": True}
         async with session.post(self.base_url + "/tokenize", json=body) as r:
             r.raise_for_status()
-            return int((await r.json())["count"])
+            return (await answer_json(r, count=int))["count"]
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
         try:
             async with session.get(self.base_url + "/version") as r:
                 if r.status == 200:
-                    return (await r.json()).get("version")
-        except (aiohttp.ClientError, ValueError):
+                    version = (await answer_json(r)).get("version")
+                    return version if isinstance(version, str) else None
+        except (aiohttp.ClientError, BackendError):  # a server that does not say: the version is unknown
             pass
         return None
 

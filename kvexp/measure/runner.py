@@ -322,7 +322,7 @@ async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
     """One direct poll of the server's gauges and counters (a level's preemptions are their difference)."""
     try:
         return await backend.poll(session)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, BackendError):
         return None
 
 
