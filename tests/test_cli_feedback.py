@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -430,3 +431,41 @@ def test_a_report_title_longer_than_a_page_heading_is_refused(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--title", "x" * 201, "--out", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err == "kvexp: report --title: 201 characters; allowed at most 200\n"
     assert not (tmp_path / "out").exists()
+
+
+def _kvexp_into(stdout: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """kvexp as its own process with its standard output a pipe no one reads any more ("pipe"), /dev/full
+    ("full"), or closed ("closed")."""
+    cmd = [sys.executable, "-m", "kvexp", *args]
+    if stdout == "closed":
+        return subprocess.run(["bash", "-c", 'exec "$@" >&-', "bash", *cmd], cwd=cwd, capture_output=True, text=True)
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            return subprocess.run(cmd, cwd=cwd, stdout=full, stderr=subprocess.PIPE, text=True)
+    read, write = os.pipe()
+    os.close(read)  # the reader has left: `| head -1` after its line
+    try:
+        return subprocess.run(cmd, cwd=cwd, stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+
+
+def test_a_standard_output_that_goes_away_is_one_line_and_the_run_still_saves(fake, tmp_path):
+    """A closed pipe (`| head -1`), a full device, a closed descriptor: each used to end in a traceback (a
+    run printed 15 "--- Logging error ---" blocks and called its written report unrendered). A run goes on
+    and saves what it measures; the exit status says output was lost: 141 quietly for a pipe whose reader
+    left (as a shell reports a program SIGPIPE ended), else 1 and one line."""
+    run = _kvexp_into("pipe", [*with_tiny([f"backend.binary={fake}", *FAST]), f"hydra.run.dir={tmp_path}/run"],
+                      tmp_path)
+    assert (run.returncode, run.stderr) == (141, "")
+    assert load_document(tmp_path / "run" / "result.json")[1]["status"] == "complete"
+    assert (tmp_path / "run" / "report").is_dir()
+    lines = {"full": "kvexp: could not write to standard output: No space left on device\n",
+             "closed": "kvexp: standard output is closed (discard it with >/dev/null instead)\n"}
+    for args in (["validate", "run"], ["results", "run"], ["results", "--csv", "-", "run"], ["plan", *TINY],
+                 ["--help"], ["--version"]):
+        p = _kvexp_into("pipe", args, tmp_path)
+        assert (p.returncode, p.stderr) == (141, ""), args
+        for stdout, line in lines.items():
+            p = _kvexp_into(stdout, args, tmp_path)
+            assert (p.returncode, p.stderr) == (1, line), (args, stdout)

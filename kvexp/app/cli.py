@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from kvexp.app import stdout
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
                                hydra_argv, ignored_keys_note, kv_choices, printable, refuse_unread,
                                refuse_repeats, safe_name,
@@ -578,7 +579,11 @@ def entry() -> None:
     from kvexp.backends.process import HANDLED, process_exits_after_command, repeats_ignored
 
     process_exits_after_command()
-    code = main()
+    problem = stdout.guard()
+    if problem:
+        print(f"kvexp: {problem}", file=sys.stderr)
+        sys.exit(1)
+    code = stdout.status(main())
     ended_by_signal = repeats_ignored()
     for sig in HANDLED:  # the command is over: a signal now would only kill the exit, silently, with its status
         signal.signal(sig, signal.SIG_IGN)
