@@ -60,9 +60,15 @@ def big_aggregate(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stage", ["reading", "pdf"])
-def test_ctrl_c_during_report_prints_one_line(big_aggregate, tmp_path, stage):
+@pytest.mark.parametrize("stage, given", [("reading", False), ("pdf", False), ("pdf", True)],
+                         ids=["reading", "pdf", "pdf-into-a-folder-given"])
+def test_ctrl_c_during_report_prints_one_line(big_aggregate, tmp_path, stage, given):
+    """One line, 130; the folder the report made is removed (it held the charts alone), and a folder it
+    was given keeps what it held, the line saying it may hold part of this report."""
     out = tmp_path / "report"
+    if given:
+        out.mkdir()
+        (out / "notes.md").write_text("mine")
     proc = subprocess.Popen([sys.executable, "-m", "kvexp", "report", str(big_aggregate), "--out", str(out)],
                             cwd=tmp_path, env=this_tree(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -75,9 +81,12 @@ def test_ctrl_c_during_report_prints_one_line(big_aggregate, tmp_path, stage):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert (rc, stderr) == (130, "kvexp report: interrupted by SIGINT\n"), stderr[-3000:]
-    assert "Traceback" not in stdout and not (out / "report.pdf").exists()
-    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # no half-written file
+    note = f"{out} may hold a half-written report" if given else "nothing half-written is kept"
+    assert (rc, stderr) == (130, f"kvexp report: interrupted by SIGINT; {note}\n"), stderr[-3000:]
+    assert "Traceback" not in stdout and out.exists() == given
+    if given:
+        assert (out / "notes.md").read_text() == "mine" and not (out / "report.pdf").exists()
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # no half-written file
 
 
 # --------------------------------------------------------------------------------------------- install

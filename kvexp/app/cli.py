@@ -333,7 +333,7 @@ def cmd_validate(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from kvexp.app.interrupts import quiet_on_signals
+    from kvexp.app.interrupts import cut_short, quiet_on_signals
 
     ap = _Parser(prog="kvexp report", description="Render a comparison report.")
     ap.add_argument("paths", nargs="+", type=Path, help="sweep folders, job folders or result files")
@@ -351,7 +351,9 @@ def cmd_report(argv: list[str]) -> int:
         print(f"kvexp: report --title {args.title!r} holds {args.title[hidden]!r} at position {hidden}: it heads "
               "every page, so only printable characters are allowed", file=sys.stderr)
         return 1
-    return quiet_on_signals("report", lambda: _report(args))
+    args.out = args.out or Path("outputs/reports") / _stamp()
+    made = [] if args.out.exists() else [args.out]  # a signal removes the folder it made, half-written
+    return quiet_on_signals("report", lambda: _report(args), lambda: cut_short(made, args.out))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -363,7 +365,7 @@ def _report(args: argparse.Namespace) -> int:
         agg = collect(args.paths)
     except ResultError as e:
         return _refused(e)
-    out = args.out or Path("outputs/reports") / _stamp()
+    out = args.out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -502,7 +504,7 @@ def cmd_install(argv: list[str]) -> int:
         return 0
 
     half = interrupts.half_installed(args.what, args.force)
-    return interrupts.quiet_on_signals("install", work, lambda: interrupts.remove(half))
+    return interrupts.quiet_on_signals("install", work, lambda: interrupts.remove(half, "half-installed"))
 
 
 def cmd_cleanup(argv: list[str]) -> int:

@@ -66,11 +66,17 @@ def half_installed(what: str, force: bool) -> list[Path]:
     return []
 
 
-def remove(paths: list[Path]) -> str:
+def remove(paths: list[Path], what: str) -> str:
     """Remove paths (files or folders); the note for the interrupt's line."""
     for p in paths:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-    return "; nothing half-installed is kept"
+    return f"; nothing {what} is kept"
+
+
+def cut_short(made: list[Path], out: Path) -> str:
+    """A report a signal cut short: the folder it made is removed; one it was given (it held something
+    before) may now hold part of this report beside what was there."""
+    return remove(made, "half-written") if made else f"; {out} may hold a half-written report"
