@@ -42,6 +42,19 @@ async def answer_json(r: aiohttp.ClientResponse, shape: type = dict, **fields: t
     return body
 
 
+async def reported_version(session: aiohttp.ClientSession, url: str, key: str) -> Optional[str]:
+    """The version a server reports (the string under `key` of the JSON object at url); None when it does
+    not say (no such path, another answer)."""
+    try:
+        async with session.get(url) as r:
+            if r.status == 200:
+                value = (await answer_json(r)).get(key)
+                return value if isinstance(value, str) else None
+    except (aiohttp.ClientError, BackendError):
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """What one line of a response stream says. Unknown is None."""

@@ -21,7 +21,7 @@ from kvexp.assets import embedded
 from kvexp.assets.install import build_llama_server, find_llama_server
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
-                                 StreamEvent, TelemetrySample, answer_json)
+                                 StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.backends.prometheus import parse_metrics
 from kvexp.capacity import gguffile, modelinfo
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel
@@ -302,14 +302,7 @@ class LlamaCpp(Adapter):
             return len((await answer_json(r, tokens=list))["tokens"])
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
-        try:
-            async with session.get(self.base_url + "/props") as r:
-                if r.status == 200:
-                    info = (await answer_json(r)).get("build_info")
-                    return info if isinstance(info, str) else None
-        except (aiohttp.ClientError, BackendError):  # a build that does not say: the version is unknown
-            pass
-        return None
+        return await reported_version(session, self.base_url + "/props", "build_info")
 
     async def kv_cache(self, session: aiohttp.ClientSession, log_text: str) -> KVCacheInfo:
         info = parse_kv_log(log_text) or KVCacheInfo()

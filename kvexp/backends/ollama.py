@@ -39,8 +39,8 @@ import aiohttp
 from kvexp.assets import embedded
 from kvexp.assets.install import OLLAMA_VERSION, build_ollama, find_ollama
 from kvexp.backends import openai
-from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec, StreamEvent,
-                                 answer_json)
+from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
+                                 StreamEvent, answer_json, reported_version)
 from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
@@ -397,14 +397,7 @@ class Ollama(Adapter):
         return parse_ndjson_line(line)
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
-        try:
-            async with session.get(self.base_url + "/api/version") as r:
-                if r.status == 200:
-                    version = (await answer_json(r)).get("version")
-                    return version if isinstance(version, str) else None
-        except (aiohttp.ClientError, BackendError):  # a server that does not say: the version is unknown
-            pass
-        return None
+        return await reported_version(session, self.base_url + "/api/version", "version")
 
     async def import_model(self, session: aiohttp.ClientSession) -> None:
         """Import the job's GGUF as self.model_tag through the server's API: the file is sent only when

@@ -28,7 +28,7 @@ from kvexp.assets import embedded
 from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
-                                 StreamEvent, TelemetrySample, answer_json)
+                                 StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
 from kvexp.workload import scenario
@@ -369,14 +369,7 @@ class VLLM(Adapter):
             return (await answer_json(r, count=int))["count"]
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
-        try:
-            async with session.get(self.base_url + "/version") as r:
-                if r.status == 200:
-                    version = (await answer_json(r)).get("version")
-                    return version if isinstance(version, str) else None
-        except (aiohttp.ClientError, BackendError):  # a server that does not say: the version is unknown
-            pass
-        return None
+        return await reported_version(session, self.base_url + "/version", "version")
 
     async def metrics_text(self, session: aiohttp.ClientSession) -> Optional[str]:
         async with session.get(self.base_url + "/metrics") as r:
