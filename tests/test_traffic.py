@@ -280,8 +280,9 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
     line = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "one two"},
                               {"from": "gpt", "value": "x" * 40}, {"from": "human", "value": "three"},
                               {"from": "gpt", "value": "y" * 400}], "output_tokens": 7}
+    longer = {"conversations": [{"from": "human", "value": w} for w in ("a", "b", "c")]}  # turns=3 is allowed
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps(line) + "\n")
+    path.write_text(json.dumps(line) + "\n" + json.dumps(longer) + "\n")
     cfg = compose([*TINY, "backend=ollama", "backend.endpoint=http://127.0.0.1:9", "model.ollama=tiny", "scenario=sharegpt",
                    f"scenario.dataset={path}", "scenario.conversation.turns=3", "scenario.requests=1",
                    "scenario.concurrency=[1]"])
@@ -292,7 +293,7 @@ def test_a_dataset_conversation_keeps_its_system_message_and_reply_lengths(tmp_p
         tr = Traffic(backend, None, cfg.scenario, None)
         await tr._load_dataset()
         (conv,) = (await tr.level(1, level=1, repeat=0)).conversations
-        assert conv.turns == 2  # the entry has two user messages
+        assert conv.turns == 2  # the first entry has two user messages: its own turns cap turns=3
         req0, rec0 = await conv.turn(0, None)
         rec0.text = ["an answer"]
         req1, rec1 = await conv.turn(1, rec0)
