@@ -194,6 +194,25 @@ def test_a_signal_during_validate_or_while_loading_prints_one_line(big_aggregate
     assert err in (f"kvexp: interrupted by {sig.name}\n", f"kvexp validate: interrupted by {sig.name}\n"), err
 
 
+@pytest.mark.parametrize("argv", [["report", "--no-such-flag"], ["--help"], ["validate", "--help"]])
+def test_a_signal_while_a_usage_error_or_help_exits_is_ignored(argv):
+    """argparse ends a usage error or --help with SystemExit: that exit is kvexp's like any other command's,
+    so a signal in it does nothing (it used to kill kvexp silently with SIGINT's status, or print a
+    traceback). The signal is sent at interpreter exit, after the command has printed everything."""
+    code = ("import atexit, os, runpy, signal, sys\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+            f"sys.argv = ['kvexp', *{argv!r}]\n"
+            "runpy.run_module('kvexp', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=this_tree(), timeout=120)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    if "--help" in argv:
+        assert (proc.returncode, proc.stderr) == (0, ""), proc
+        assert "usage" in proc.stdout.lower()
+    else:
+        assert proc.returncode == 1, proc
+        assert proc.stderr.startswith("kvexp report: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_a_signal_that_code_swallows_still_ends_the_command(tmp_path, monkeypatch, capsys):
     """A signal's exception raised inside code that catches everything (aiohttp's response parser hands it
     to one response as a payload error; a garbage-collector callback only prints it) used to be lost: the

@@ -24,9 +24,8 @@ from typing import Any, Callable, Optional
 
 from kvexp.app import stdout
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
-                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_unread,
-                               refuse_repeats, safe_name,
-                               sweep_backends, sweep_overrides, to_experiment)
+                               hydra_argv, ignored_keys_note, kv_choices, printable, refuse_repeats,
+                               refuse_unread, safe_name, sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
 from kvexp.app.resume import finish_report, finished, resumable, resume_args
 from kvexp.core.config import ConfigError, KVConfig, job_label
@@ -581,11 +580,14 @@ def entry() -> None:
     from kvexp.backends.process import HANDLED, process_exits_after_command, repeats_ignored
 
     process_exits_after_command()
-    problem = stdout.guard()
-    if problem:
-        print(f"kvexp: {problem}", file=sys.stderr)
-        sys.exit(1)
-    code = stdout.status(main())
+    stdout.guard()
+    try:
+        code = main()
+    except SystemExit as e:  # install's failures, argparse's usage errors and --help exit: a signal in that
+        if e.code is not None and not isinstance(e.code, int):  # exit is ignored too, as after any command
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    code = stdout.status(code)
     ended_by_signal = repeats_ignored()
     for sig in HANDLED:  # the command is over: a signal now would only kill the exit, silently, with its status
         signal.signal(sig, signal.SIG_IGN)

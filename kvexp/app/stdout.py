@@ -51,13 +51,12 @@ class Guarded:
         return getattr(self._stream, name)
 
 
-def guard() -> Optional[str]:
-    """Put the guard in place of sys.stdout; the reason kvexp cannot start, if any."""
+def guard() -> None:
+    """Put the guard in place of sys.stdout; a closed one ends kvexp in one line, exit status 1."""
     if sys.stdout is None:
-        return "standard output is closed (discard it with >/dev/null instead)"
+        sys.exit("kvexp: standard output is closed (discard it with >/dev/null instead)")
     if not isinstance(sys.stdout, Guarded):
         sys.stdout = Guarded(sys.stdout)  # type: ignore[assignment]
-    return None
 
 
 def status(code: int) -> int:
