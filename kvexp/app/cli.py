@@ -580,11 +580,11 @@ def entry() -> None:
     from kvexp.backends.process import HANDLED, process_exits_after_command, repeats_ignored
 
     process_exits_after_command()
-    stdout.guard()
     try:
+        stdout.guard()
         code = main()
-    except SystemExit as e:  # install's failures, argparse's usage errors and --help exit: a signal in that
-        if e.code is not None and not isinstance(e.code, int):  # exit is ignored too, as after any command
+    except SystemExit as e:  # a closed stdout, install's failures, argparse's usage errors and --help: a signal
+        if e.code is not None and not isinstance(e.code, int):  # in that exit is ignored, as after any command
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     code = stdout.status(code)
