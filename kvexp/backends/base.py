@@ -79,6 +79,7 @@ class KVCacheInfo:
     blocks: Optional[int] = None
     block_size: Optional[int] = None
     capacity_tokens: Optional[int] = None  # cells (llama.cpp) or blocks x block_size (vLLM)
+    window_tokens: Optional[int] = None  # cells the sliding-window layers keep (a windowed model; llama.cpp)
     bytes: Optional[int] = None
     gpu_memory_utilization: Optional[float] = None
     max_concurrency: Optional[float] = None  # as the server states it (vLLM's startup line)

@@ -38,6 +38,17 @@ LOADED_LINE = ": model loaded"  # `srv  llama_server: model loaded` (older build
 MIB = 1 << 20
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the default -c
 CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
+UBATCH = 512  # llama-server's default -ub (common/common.h: n_ubatch)
+# `llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells`: the next size line is the window's
+SWA_LINE = re.compile(r"llama_kv_cache_iswa: creating +(non-SWA|SWA) KV cache")
+
+
+def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
+    """The cells each stream's sliding-window cache holds, as llama.cpp sizes it
+    (src/llama-kv-cache-iswa.cpp, llama_kv_cache_iswa's constructor, without --swa-full): the window
+    (once per sequence in a unified stream) plus one micro-batch, at most the stream's own cells,
+    padded to 256."""
+    return -(-min(cells, window * (slots if unified else 1) + UBATCH) // CELL_PAD) * CELL_PAD
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 # a line of `llama-server --help` that names an option: its spellings, then the placeholder of its value(s)
@@ -66,25 +77,48 @@ class LlamaCppConfig(BackendConfig):
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
-    """The last llama_kv_cache size line of a llama-server log (the context's own cache).
+    """The context's own KV cache from a llama-server log: its last llama_kv_cache size line, or for a
+    sliding-window model the last pair (`llama_kv_cache_iswa: creating non-SWA KV cache` and `creating
+    SWA KV cache`, each followed by its size line).
 
-    The line reads `(<cells> cells, <layers> layers, <seq_max>/<streams> seqs)`: the cells are per
+    A size line reads `(<cells> cells, <layers> layers, <seq_max>/<streams> seqs)`: the cells are per
     stream, and with -np N (no unified cache) every slot has a stream of its own, so the cache holds
-    cells x streams tokens; the size in MiB is the total."""
-    matches = KV_LINE.findall(log_text)
-    if not matches:
+    cells x streams tokens; the size in MiB is the total. With a window, capacity_tokens is the global
+    layers' cells, window_tokens the sliding layers', and bytes the two sizes together."""
+    caches = kv_size_lines(log_text)
+    if not caches:
         return None
-    size, cells, _layers, seq_max, streams, k, _ks, v, _vs = matches[-1]
+    (size, cells, _layers, seq_max, streams, k, _ks, v, _vs), window = caches[-1], None
+    if len(caches) > 1 and caches[-1][9] == "SWA" and caches[-2][9] == "non-SWA":
+        (size, cells, _layers, seq_max, streams, k, _ks, v, _vs, _), window = caches[-2], caches[-1]
     info = KVCacheInfo(
         dtype=k if k == v else f"{k}/{v}", dtype_k=k, dtype_v=v,
         capacity_tokens=int(cells) * int(streams), bytes=round(float(size) * MIB), seqs=int(seq_max),
         source=["server log: llama_kv_cache size line (cells x streams)"],
     )
+    if window is not None:
+        info.window_tokens = int(window[1]) * int(window[4])
+        info.bytes = round((float(size) + float(window[0])) * MIB)
+        info.source = ["server log: llama_kv_cache_iswa's two caches: the global layers' cells x streams "
+                       "(capacity), the sliding layers' cells x streams (window), their sizes added (bytes)"]
     rotation = dict(ROTATION_LINE.findall(log_text))  # the last of each (builds from 2026 on state it)
     if rotation:
         info.rotation_k, info.rotation_v = (rotation[x] != "0" if x in rotation else None for x in "kv")
         info.source.append("server log: llama_kv_cache attn_rot_k / attn_rot_v lines (rotation)")
     return info
+
+
+def kv_size_lines(log_text: str) -> list[tuple[str, ...]]:
+    """Every llama_kv_cache size line's fields, each with the kind of cache the iSWA line before it
+    created ("non-SWA", "SWA", or "" for a model without a window) as its last field."""
+    out, kind = [], ""
+    for line in log_text.splitlines():
+        if m := SWA_LINE.search(line):
+            kind = m.group(1)
+        elif m := KV_LINE.search(line):
+            out.append((*m.groups(), kind))
+            kind = ""
+    return out
 
 
 SLOT_FIELDS = {"id": int, "n_ctx": int}  # what kvexp reads of every slot /slots lists
@@ -195,7 +229,8 @@ class LlamaCpp(Adapter):
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=False, logprobs=True,
                                 stream_keepalive=False)  # the server closes the connection after each stream
-    cache_model = CacheModel(name="llamacpp", paged=False, cell_pad=CELL_PAD, default_slots=1)
+    cache_model = CacheModel(name="llamacpp", paged=False, cell_pad=CELL_PAD, default_slots=1,
+                             window_cells=window_cells)
     # /slots is a task of the server's own loop (answered between the steps of a decode), where /health is
     # answered by the HTTP threads alone: they still answer it when the loop is deadlocked, as it is when
     # llama-server's SIGTERM handler takes the task-queue lock the interrupted main thread holds
@@ -405,8 +440,8 @@ class LlamaCpp(Adapter):
     def _exact_bytes(self, info: KVCacheInfo, log_text: str) -> None:
         """Replace the log's 0.01-MiB size by cells x layers x bytes per cell, with the KV width read
         from the GGUF the server serves, when the two agree within the log's rounding."""
-        m = KV_LINE.findall(log_text)
-        if not m or not self.model_path or info.capacity_tokens is None or info.bytes is None:
+        caches = kv_size_lines(log_text)
+        if not caches or not self.model_path or info.capacity_tokens is None or info.bytes is None:
             return
         try:
             arch = modelinfo.arch_for(self.cfg.model, self.model_field, self.model_path)
@@ -414,10 +449,13 @@ class LlamaCpp(Adapter):
             return
         if arch.n_kv_heads is None or arch.head_dim is None:
             return
-        layers = int(m[-1][2])
-        exact = exact_kv_bytes(info.capacity_tokens, layers, int(arch.n_kv_heads * arch.head_dim),
-                               str(info.dtype_k), str(info.dtype_v))
-        if exact is not None and abs(exact - info.bytes) <= 0.005 * MIB + 1:
+        width = int(arch.n_kv_heads * arch.head_dim)
+        parts = [(info.capacity_tokens, int(caches[-1 if info.window_tokens is None else -2][2]))]
+        if info.window_tokens is not None:
+            parts.append((info.window_tokens, int(caches[-1][2])))
+        sizes = [exact_kv_bytes(cells, layers, width, str(info.dtype_k), str(info.dtype_v)) for cells, layers in parts]
+        exact = None if None in sizes else sum(sizes)  # type: ignore[arg-type]
+        if exact is not None and abs(exact - info.bytes) <= 0.005 * MIB * len(parts) + 1:
             info.bytes = exact
             info.source.append("bytes: cells x layers x KV bytes per cell (KV width from the GGUF); the log's "
                                "MiB figure agrees to its 0.01 MiB")

@@ -24,7 +24,14 @@ __all__ = ["ModelArch", "arch_from", "arch_for", "model_files", "hf_config_field
            "gguf_fields", "read_hf_config", "read_gguf_fields", "weights_bytes_on_disk"]
 
 ARCH_KEYS = ("n_layers", "n_kv_heads", "head_dim", "params_b", "weight_bits", "dtype_bytes",
-             "context_length_tokens")
+             "context_length_tokens", "sliding_window", "sliding_layers")
+
+# GGUF architectures whose sliding layers follow a period, as llama.cpp's loader sets them when the file
+# names no `<arch>.attention.sliding_window_pattern` (src/models/<arch>.cpp: load_swa_pattern(ml, N)):
+# in each period of N layers the last is global, the others slide (dense_first: the first is global).
+GGUF_SWA_PERIOD = {"gemma2": (2, False), "gemma3": (6, False), "gemma-embedding": (6, False),
+                   "cohere2": (4, False), "gpt-oss": (2, False), "exaone4": (4, False), "olmo2": (4, False)}
+GGUF_DEFAULT_WINDOW = {"gemma2": 4096}  # llama.cpp's default where the file names no window
 
 _DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4,
                 "float": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -113,10 +120,55 @@ def hf_config_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     elif "dtype_bytes" in values:
         put("weight_bits", values["dtype_bytes"] * 8, "config.json dtype")
     put("context_length_tokens", _first(c, "max_position_embeddings", "n_positions", "max_seq_len"))
+    window, sliding, how = _hf_window(c, layers)
+    put("sliding_window", window, how)
+    put("sliding_layers", sliding, how)
     if None not in (layers, heads, kv, head_dim):
         put("params_b", _estimate_params_b(c, layers, heads, kv, head_dim),
             "config.json (estimated from layer shapes)")
     return values, sources
+
+
+def _hf_window(c: dict[str, Any], layers: Optional[int]) -> tuple[Optional[int], Optional[int], str]:
+    """(sliding window, sliding layers, source) from a config.json: `layer_types` names each layer
+    ("sliding_attention"); else `sliding_window_pattern` N (every Nth layer global); else a window with
+    `use_sliding_window` not false and no pattern slides every layer (Mistral v0.1). Qwen2's configs carry
+    a window with use_sliding_window false: no window."""
+    window = c.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or c.get("use_sliding_window") is False:
+        return None, None, "config.json"
+    types = c.get("layer_types")
+    if isinstance(types, list) and types:
+        return window, sum(1 for t in types if "sliding" in str(t)), "config.json (sliding_window, layer_types)"
+    pattern = c.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0 and layers:
+        return window, sum(1 for il in range(layers) if (il + 1) % pattern), \
+            "config.json (sliding_window, sliding_window_pattern)"
+    return window, layers, "config.json (sliding_window on every layer)"
+
+
+def _gguf_window(arch: str, get: Any, layers: Optional[int]) -> tuple[Optional[int], Optional[int], str]:
+    """(sliding window, sliding layers, source) from a GGUF header, as llama.cpp's loader reads it."""
+    window = get("attention.sliding_window")
+    how = "gguf header"
+    if window is None and arch in GGUF_DEFAULT_WINDOW:
+        window, how = GGUF_DEFAULT_WINDOW[arch], f"llama.cpp's default window for {arch}"
+    if not window or not layers:
+        return None, None, how
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):
+        return int(window), sum(1 for p in pattern[:layers] if p), how + " (sliding_window_pattern per layer)"
+    period, dense_first = GGUF_SWA_PERIOD.get(arch, (0, False))
+    if isinstance(pattern, int):
+        period, how = pattern, how + " (sliding_window_pattern)"
+    elif period:
+        how += f" (llama.cpp's {arch} layer pattern: 1 global in {period})"
+    else:
+        return None, None, how + f" (a window, but llama.cpp gives {arch} no layer pattern: not planned)"
+    if period == 0:
+        return int(window), layers, how
+    slides = (lambda il: il % period != 0) if dense_first else (lambda il: il % period < period - 1)
+    return int(window), sum(1 for il in range(layers) if slides(il)), how
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,6 +216,9 @@ def gguf_fields(meta: dict[str, Any], n_params: Optional[int] = None,
     put("n_kv_heads", kv, kv_how)
     put("head_dim", head_dim, hd_how)
     put("context_length_tokens", get("context_length"))
+    window, sliding, how = _gguf_window(str(arch), get, get("block_count"))
+    put("sliding_window", window, how)
+    put("sliding_layers", sliding, how)
     if n_params:
         put("params_b", round(n_params / 1e9, 4), "gguf tensors")
         if tensor_bytes:
@@ -290,7 +345,8 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     preset_vals = {k: getattr(model, k, None) for k in ("n_layers", "n_kv_heads", "head_dim",
-                                                        "params_b", "weight_bits")}
+                                                        "params_b", "weight_bits", "sliding_window",
+                                                        "sliding_layers")}
     builtin = PRESETS.get(model.name)
     for key in ARCH_KEYS:
         f, p = file_vals.get(key), preset_vals.get(key)
@@ -328,6 +384,7 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
         head_dim=values.get("head_dim"), params_b=values.get("params_b"), weights_gib=weights,
         weight_bits=values.get("weight_bits"), dtype_bytes=values.get("dtype_bytes"),
         sources=sources, name=model.name, context_length_tokens=values.get("context_length_tokens"),
+        sliding_window=values.get("sliding_window"), sliding_layers=values.get("sliding_layers"),
     )
 
 

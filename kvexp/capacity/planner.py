@@ -5,6 +5,9 @@ a fixed overhead of 1.5 GiB (CUDA context, activations, graphs), vLLM block size
 model presets. The core formulas:
 
     kv_bytes_per_token = 2 (K and V) x n_layers x n_kv_heads x head_dim x bytes_per_element
+    sliding-window models (Gemma 2/3, gpt-oss, Mistral v0.1): only the global layers keep every token;
+                         each sliding layer keeps a window, sized by the server (`CacheModel.window_cells`),
+                         so KV memory = a fixed part (the window) + a per-token part (the global layers)
     vLLM capacity      = floor((gpu_gib x util - weights_gib - overhead_gib) x 2**30 / kv_bytes_per_token),
                          rounded down to whole blocks
     llama.cpp          = `-c CTX` cells in total, shared by `-np N` slots (CTX/N each)
@@ -77,6 +80,12 @@ class CacheModel:
     default_block_size: Optional[int] = None
     reserved_blocks: int = 0  # blocks of the pool no request can use (vLLM keeps one null block)
     shares_prefixes: bool = False  # paged: running requests share the full blocks of a common prefix
+    # the cells a sliding-window layer keeps per stream, from (window, the stream's full cells, slots,
+    # unified); None: the planner does not know how this server sizes a window, and plans every layer full
+    window_cells: Optional[Callable[[int, int, int, bool], int]] = None
+    # paged: the blocks a sliding-window layer group holds for one request of n tokens, from (n, window,
+    # block size); None: a sliding group holds what a global one does
+    window_blocks: Optional[Callable[[int, int, int], int]] = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,19 @@ class ModelArch:
     sources: Mapping[str, str] = field(default_factory=dict)
     name: Optional[str] = None
     context_length_tokens: Optional[int] = None  # the model's trained context, where known
+    sliding_window: Optional[int] = None  # tokens a sliding-window layer attends to (None: no window)
+    sliding_layers: Optional[int] = None  # how many of the layers slide (None or 0: every layer is global)
+
+    @property
+    def windowed(self) -> bool:
+        return bool(self.sliding_window and self.sliding_layers)
+
+    @property
+    def global_layers(self) -> Optional[int]:
+        """Layers that keep every token of the context."""
+        if self.n_layers is None:
+            return None
+        return self.n_layers - (self.sliding_layers or 0) if self.windowed else self.n_layers
 
     @classmethod
     def from_preset(cls, name: str, weights_gib: Optional[float] = None) -> "ModelArch":
@@ -267,13 +289,17 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
              shared_prefix_tokens: int = 0, prefix_groups: int = 1) -> dict[str, Any]:
     """The JSON-ready planner block of one job. Keys (stable; None where unknown):
 
-    kv_bytes_per_element, kv_bytes_per_token
+    kv_bytes_per_element, kv_bytes_per_token  (a windowed model: the global layers' bytes, the per-token part)
+    kv_window_bytes_per_token  the sliding layers' bytes per cell they keep (None: no window planned)
+    sliding_window     the window the planner sized (None: no sliding layers, or a server whose window
+                       sizing it does not know, when every layer is planned as global)
+    window_tokens      cells the sliding layers keep in all streams (the fixed part; None: no window)
     capacity_tokens    paged (vLLM): KV pool in tokens (blocks x block_size; None when the GPU size is
                        unknown and no kv_cache_memory_bytes); slots: every slot's cells (llama.cpp -c
                        shared by the slots, each padded; one stream of -c cells with unified_kv;
                        Ollama: ctx x parallel)
     blocks, block_size vLLM only (None elsewhere)
-    kv_cache_bytes     capacity_tokens x kv_bytes_per_token
+    kv_cache_bytes     capacity_tokens x kv_bytes_per_token (+ window_tokens x kv_window_bytes_per_token)
     context_per_slot_tokens  longest sequence one slot/request may reach (vLLM: max_model_len or capacity)
     slots              llama.cpp -np / OLLAMA_NUM_PARALLEL / vLLM max_num_seqs (None: not limited)
     predicted_peak_memory_gib  weights + KV cache + overhead
@@ -302,6 +328,18 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
 
     bpe = kv_bytes_per_element(kv_dtype, arch.dtype_bytes)
     bpt = kv_bytes_per_token(arch.n_layers, arch.n_kv_heads, arch.head_dim, bpe)
+    # a window the server sizes as the planner knows: the sliding layers' bytes are a fixed part per
+    # stream, and only the global layers' bytes grow with the context
+    window = arch.sliding_window if arch.windowed and (
+        cache.window_blocks if paged else cache.window_cells) is not None else None
+    bpt_window = None
+    if window is not None and bpt is not None:
+        bpt_window = kv_bytes_per_token(arch.sliding_layers, arch.n_kv_heads, arch.head_dim, bpe)
+        bpt = kv_bytes_per_token(arch.global_layers, arch.n_kv_heads, arch.head_dim, bpe)
+        sources["sliding_window"] = arch.sources.get("sliding_window", "model")
+    elif arch.windowed:
+        sources["sliding_window"] = (f"{arch.sources.get('sliding_window', 'model')}; {cache.name}'s window "
+                                     "sizing is not known to the planner: every layer planned as global")
     overhead = given("overhead_gib", overhead_gib, DEFAULT_OVERHEAD_GIB, "default (reference planner)")
     request_tokens = prompt_tokens + max_tokens
     # prefix caching holds a shared prefix once per group (paged caches that share blocks)
@@ -323,8 +361,15 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
     if gpu_gib is not None:
         sources.setdefault("gpu_gib", "argument")
 
+    def window_tokens(per_stream: int, streams: int, slots_: int, unified: bool) -> int:
+        """Cells the sliding layers keep in all streams (0 without a window)."""
+        if window is None or cache.window_cells is None:
+            return 0
+        return cache.window_cells(window, per_stream, slots_, unified) * streams
+
     def capacity_fields(ovh: float) -> dict[str, Any]:
         cap = per_slot = peak = max_ctx = fits = None
+        win = 0
         if bpt is not None and paged:
             if kv_cache_memory_bytes is not None:
                 cap = capacity_from_kv_bytes(kv_cache_memory_bytes, bpt, bs)
@@ -345,11 +390,14 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             else:
                 per_slot = cells_per_slot(model_ctx, n, cache.cell_pad)
                 cap = per_slot * n
+            streams = 1 if unified_kv else n
+            win = window_tokens(cap // streams, streams, n, unified_kv)
             if gpu_gib is not None and weights is not None:
-                max_ctx = max_context_tokens(gpu_gib, weights, bpt, overhead_gib=ovh)
+                fixed = window_tokens(1 << 30, streams, n, unified_kv) * (bpt_window or 0)  # the window, full
+                max_ctx = max_context_tokens(gpu_gib, weights + fixed / GIB_BYTES, bpt, overhead_gib=ovh)
                 if cache.context_per_slot:
                     max_ctx //= n
-        kv_bytes = None if cap is None or bpt is None else _num(cap * bpt)
+        kv_bytes = None if cap is None or bpt is None else _num(cap * bpt + win * (bpt_window or 0))
         if kv_bytes is not None and weights is not None:
             peak = weights + kv_bytes / GIB_BYTES + ovh
             if gpu_gib is not None and (not paged or kv_cache_memory_bytes is not None):
@@ -379,6 +427,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "capacity_tokens": cap,
             "blocks": None if cap is None or bs is None else cap // bs,
             "kv_cache_bytes": kv_bytes,
+            "window_tokens": win if window is not None else None,
             "context_per_slot_tokens": per_slot,
             "predicted_peak_memory_gib": _gib(peak),
             "max_context_that_fits": max_ctx,
@@ -395,15 +444,18 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         cal = capacity_fields(calibrated_overhead_gib)
         calibrated = {"overhead_gib": _gib(calibrated_overhead_gib),
                       **{k: v for k, v in cal.items()
-                         if k not in ("context_per_slot_tokens", "request_fits")}}
+                         if k not in ("context_per_slot_tokens", "request_fits", "window_tokens")}}
         sources["calibrated_overhead_gib"] = "calibration file"
     return {
         "kv_bytes_per_element": bpe,
         "kv_bytes_per_token": bpt,
+        "kv_window_bytes_per_token": bpt_window,
+        "sliding_window": window,
         "capacity_tokens": main["capacity_tokens"],
         "blocks": main["blocks"],
         "block_size": bs,
         "kv_cache_bytes": main["kv_cache_bytes"],
+        "window_tokens": main["window_tokens"],
         "context_per_slot_tokens": main["context_per_slot_tokens"],
         "slots": slots,
         "predicted_peak_memory_gib": main["predicted_peak_memory_gib"],
@@ -420,6 +472,8 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "kv_dtype": kv_dtype,
             "model": arch.name,
             "n_layers": arch.n_layers,
+            "sliding_layers": arch.sliding_layers if arch.windowed else None,
+            "model_sliding_window": arch.sliding_window if arch.windowed else None,
             "n_kv_heads": arch.n_kv_heads,
             "head_dim": arch.head_dim,
             "params_b": arch.params_b,

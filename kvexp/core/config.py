@@ -125,6 +125,9 @@ class ModelConfig:
     params_b: Optional[float] = None
     weights_gib: Optional[float] = None
     weight_bits: Optional[float] = None  # bits per parameter of the weights (e.g. 4.5 for Q4_K_M)
+    # Sliding-window attention: the window in tokens and how many layers use it (the rest keep every token)
+    sliding_window: Optional[int] = None
+    sliding_layers: Optional[int] = None
 
 
 @dataclass

@@ -475,7 +475,7 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
     res["kv_cache"] = {
         "dtype": kv.dtype, "blocks": kv.blocks, "block_size": kv.block_size,
         "gpu_memory_utilization": kv.gpu_memory_utilization, "dtype_k": kv.dtype_k, "dtype_v": kv.dtype_v,
-        "capacity_tokens": kv.capacity_tokens, "bytes": kv.bytes, "max_concurrency": kv.max_concurrency,
+        "capacity_tokens": kv.capacity_tokens, "window_tokens": kv.window_tokens, "bytes": kv.bytes, "max_concurrency": kv.max_concurrency,
         "seqs": kv.seqs, "rotation_k": kv.rotation_k, "rotation_v": kv.rotation_v, "source": kv.source,
     }
 

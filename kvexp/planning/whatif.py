@@ -21,6 +21,8 @@ are kept. Pure: gpu_presets() is the only function that reads files."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -99,7 +101,8 @@ def overhead_for(table: Optional[Mapping[str, Any]], backend: str, gpu_name: Opt
 def _arch(inputs: Mapping[str, Any]) -> ModelArch:
     return ModelArch(inputs.get("n_layers"), inputs.get("n_kv_heads"), inputs.get("head_dim"),
                      inputs.get("params_b"), inputs.get("weights_gib"), inputs.get("weight_bits"),
-                     inputs.get("dtype_bytes"), {}, inputs.get("model"))
+                     inputs.get("dtype_bytes"), {}, inputs.get("model"),
+                     sliding_window=inputs.get("model_sliding_window"), sliding_layers=inputs.get("sliding_layers"))
 
 
 def _server_slots(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel,
@@ -135,14 +138,18 @@ def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheMode
         pool, served = p["max_concurrency_before_preemption"], p["max_concurrent_requests"]
         capped = slots is not None and pool is not None and served is not None and pool > served
         return p["capacity_tokens"], served, p["fits"], capped
-    bpt = planner.kv_bytes_per_token(arch.n_layers, arch.n_kv_heads, arch.head_dim,
-                                     planner.kv_bytes_per_element(kv, arch.dtype_bytes))
-    if bpt is None or arch.weights_gib is None or request <= 0:
+    if arch.weights_gib is None or request <= 0:
         return None, None, None, False
-    cells = planner.max_context_tokens(gpu_gib, arch.weights_gib, bpt, overhead_gib=overhead_gib)
+    # one slot per request, each with its own stream: what one request's slot takes, window included
     per_request = planner.cells_per_slot(request, 1, cache.cell_pad)
-    conc = cells // per_request
-    return cells, conc, conc > 0, False
+    one = planner.plan_job(arch, kv, cache, None, prompt_tokens=prompt, max_tokens=out, levels=[],
+                           context=per_request, parallel=1, overhead_gib=overhead_gib)
+    if one["kv_cache_bytes"] is None or one["kv_bytes_per_token"] is None:
+        return None, None, None, False
+    free = (gpu_gib - arch.weights_gib - overhead_gib) * planner.GIB_BYTES
+    conc = max(0, math.floor(free / one["kv_cache_bytes"]))
+    cells = planner.max_context_tokens(gpu_gib, arch.weights_gib, one["kv_bytes_per_token"], overhead_gib=overhead_gib)
+    return (cells if one["sliding_window"] is None else conc * per_request), conc, conc > 0, False
 
 
 def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,

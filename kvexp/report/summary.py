@@ -301,21 +301,21 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
     not installed is no obstacle to planning); each model's architecture is read once."""
     archs: dict[tuple[str, str], Any] = {}
     lines = [
-        "| model | backend | kv | scenario | bytes/token | capacity tokens | blocks | peak GiB | max conc. | "
+        "| model | backend | kv | scenario | bytes/token | capacity tokens | KV MiB | blocks | peak GiB | max conc. | "
         "levels (KV usage) | cal. overhead GiB | cal. capacity | cal. max conc. | cal. levels |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     notes: list[str] = []
     for cfg in cfgs:
         kv_dtype = cfg.kv.per_backend.get(cfg.backend.name)
         head = f"| {cfg.model.name} | {cfg.backend.name} | {kv_dtype or cfg.kv.name} | {cfg.scenario.name} "
         if kv_dtype is None:
-            lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 9)
+            lines.append(head + f"| kv={cfg.kv.name} is not available on {cfg.backend.name} |" + " |" * 10)
             continue
         try:
             spec, p = _predicted(cfg, calibration, archs)
         except (ConfigError, ValueError) as e:
-            lines.append(head + f"| {e} |" + " |" * 9)
+            lines.append(head + f"| {e} |" + " |" * 10)
             continue
         conc_key = "max_concurrency_before_preemption" if spec.cache.paged else "max_concurrent_requests"
         max_conc = p[conc_key]
@@ -324,7 +324,7 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         peak = p["predicted_peak_memory_gib"]
         peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
         lines.append(
-            head + f"| {_fmt_int(p['kv_bytes_per_token'])} | {_fmt_int(p['capacity_tokens'])} "
+            head + f"| {kv_per_token_words(p)} | {_fmt_int(p['capacity_tokens'])} | {_fmt_mib(p['kv_cache_bytes'])} "
             f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
             f"| {'-' if c is None else c['overhead_gib']} "
             f"| {'-' if c is None else _fmt_int(c['capacity_tokens'])} | {_fmt_int(c_conc)} "
@@ -340,6 +340,19 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
     legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "
               "(more queue). Levels: concurrency: predicted KV usage.")
     return "\n".join(lines + ["", legend, ""] + notes) + "\n"
+
+
+def _fmt_mib(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / (1 << 20):,.2f}"
+
+
+def kv_per_token_words(p: dict[str, Any]) -> str:
+    """A plan's KV bytes per token; for a windowed model the per-token part (the global layers) and the
+    fixed part (the sliding layers' window cells), e.g. "3,072 + window 2,048 x 15,360"."""
+    if p.get("sliding_window") is None or p.get("window_tokens") is None:
+        return _fmt_int(p.get("kv_bytes_per_token"))
+    return (f"{_fmt_int(p['kv_bytes_per_token'])} + window {_fmt_int(p['window_tokens'])} x "
+            f"{_fmt_int(p['kv_window_bytes_per_token'])}")
 
 
 def _predicted(cfg: ExperimentConfig, calibration: dict | None, archs: dict[tuple[str, str], Any]) -> tuple[Any, dict]:
