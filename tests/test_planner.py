@@ -142,7 +142,8 @@ def test_planner_block_keys_are_stable():
     plan = plan_job(QWEN7, "fp8", VLLM, 15.92, prompt_tokens=512, max_tokens=256, levels=[1],
                     calibrated_overhead_gib=1.0)
     assert list(plan) == [
-        "kv_bytes_per_element", "kv_bytes_per_token", "kv_window_bytes_per_token", "sliding_window",
+        "kv_bytes_per_element", "kv_bytes_per_token", "kv_window_bytes_per_token",
+        "kv_window_bytes_per_sequence", "sliding_window",
         "capacity_tokens", "blocks", "block_size", "kv_cache_bytes", "window_tokens", "context_per_slot_tokens", "slots", "predicted_peak_memory_gib",
         "max_context_that_fits", "fits", "request_tokens", "request_fits",
         "max_concurrency_before_preemption", "max_concurrent_requests", "levels", "calibrated",

@@ -33,6 +33,8 @@ class RunPlan:
     calibrated_levels: tuple[PlanLevel, ...] = ()
     tokens_per_request: Optional[float] = None
     max_concurrent_requests: Optional[float] = None  # served at once before the rest queue
+    kv_cache_bytes: Optional[float] = None  # the whole KV cache the planner predicts (a window included)
+    window_bytes_per_sequence: Optional[float] = None  # a windowed model's fixed part (None: no window)
 
 
 def _plan_levels(rows: Any) -> tuple[PlanLevel, ...]:
@@ -65,7 +67,8 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
             label, "run planner", num(p, "kv_bytes_per_token"), num(p, "capacity_tokens"),
             num(p, "max_concurrency_before_preemption"), _plan_levels(p.get("levels")),
             num(cal, "capacity_tokens"), num(cal, "max_concurrency_before_preemption"),
-            _plan_levels(cal.get("levels")), num(p, "request_tokens"), num(p, "max_concurrent_requests"))
+            _plan_levels(cal.get("levels")), num(p, "request_tokens"), num(p, "max_concurrent_requests"),
+            num(p, "kv_cache_bytes"), num(p, "kv_window_bytes_per_sequence") if num(p, "sliding_window") else None)
     from_levels = _plan_levels([lv for lv in sorted_levels(run) if is_num(lv.get("predicted_kv_usage"))])
     if from_levels:
         return RunPlan(label, "levels", None, None, None, from_levels)

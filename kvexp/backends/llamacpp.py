@@ -44,11 +44,12 @@ SWA_LINE = re.compile(r"llama_kv_cache_iswa: creating +(non-SWA|SWA) KV cache")
 
 
 def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
-    """The cells each stream's sliding-window cache holds, as llama.cpp sizes it
-    (src/llama-kv-cache-iswa.cpp, llama_kv_cache_iswa's constructor, without --swa-full): the window
-    (once per sequence in a unified stream) plus one micro-batch, at most the stream's own cells,
-    padded to 256."""
-    return -(-min(cells, window * (slots if unified else 1) + UBATCH) // CELL_PAD) * CELL_PAD
+    """The cells the sliding-window cache holds in all streams, as llama.cpp sizes it
+    (src/llama-kv-cache-iswa.cpp, llama_kv_cache_iswa's constructor, without --swa-full): in each
+    stream the window (once per sequence in a unified stream) plus one micro-batch, at most the
+    stream's own cells, padded to 256; one stream per slot unless unified."""
+    per_stream = -(-min(cells, window * (slots if unified else 1) + UBATCH) // CELL_PAD) * CELL_PAD
+    return per_stream * (1 if unified else slots)
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 # a line of `llama-server --help` that names an option: its spellings, then the placeholder of its value(s)
@@ -88,7 +89,7 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
     caches = kv_size_lines(log_text)
     if not caches:
         return None
-    (size, cells, _layers, seq_max, streams, k, _ks, v, _vs), window = caches[-1], None
+    (size, cells, _layers, seq_max, streams, k, _ks, v, _vs, _), window = caches[-1], None
     if len(caches) > 1 and caches[-1][9] == "SWA" and caches[-2][9] == "non-SWA":
         (size, cells, _layers, seq_max, streams, k, _ks, v, _vs, _), window = caches[-2], caches[-1]
     info = KVCacheInfo(

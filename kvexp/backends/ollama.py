@@ -68,6 +68,7 @@ TAG_PREFIX = "kvexp-"
 # per sequence leaves room for PROMPT_SLACK x the target plus the output and a chat template. The
 # requests send truncate=false, so a prompt that still does not fit fails loudly instead of being
 # cut silently.
+BATCH = 512  # Ollama's default num_batch (llm/server.go: min(NumBatch, NumCtx))
 PROMPT_SLACK = 2.0
 CONTEXT_PAD = 64
 NS = 1e9
@@ -94,6 +95,18 @@ def default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optio
         ctx = 262144
     return min(ctx, model_context_tokens) if model_context_tokens else ctx
 
+
+def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
+    """The cells Ollama's own engine gives a sliding-window cache (kvcache/causal.go, Causal.Init; gemma3
+    wraps an NewSWACache beside its causal cache): one window per sequence (+1 with several), plus
+    one batch of min(512, context) cells, padded to 256; a window as long as a sequence's context
+    keeps the whole context instead."""
+    keep = window + (1 if slots > 1 else 0)
+    if keep >= cells:
+        return cells * slots
+    return -(-(slots * keep + min(BATCH, cells)) // CELL_PAD) * CELL_PAD
+
+
 # The fallbacks Ollama logs when it does not apply OLLAMA_KV_CACHE_TYPE (the runner then uses f16).
 _FALLBACKS = (
     "quantized kv cache requested but flash attention disabled",
@@ -108,6 +121,9 @@ _OLD_CELLS = re.compile(r"kv_size = (\d+), type_k = '(\w+)', type_v = '(\w+)'")
 _LAUNCH = re.compile(r'msg="starting llama-server" cmd="([^"]*)"')
 # Ollama's own engine (0.12 - 0.2x) logs the KV size per device, not the type.
 _ENGINE_KV = re.compile(r'msg="kv cache" device=(\S+) size="([\d.]+) (B|KiB|MiB|GiB|TiB)"')
+# Ollama's own engine: the runner's load request states the KV type it was given (empty: f16), the
+# cells (num_ctx x parallel) and the slots (runner/ollamarunner/runner.go)
+_LOAD_REQUEST = re.compile(r'msg=load request="\{[^"]*?Parallel:(\d+)[^"]*?KvSize:(\d+) KvCacheType:(\w*)')
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
@@ -184,6 +200,12 @@ def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
                                capacity_tokens=ctx, seqs=seqs,
                                source=["server log: the llama-server command line Ollama started "
                                        "(--cache-type-k/-v; f16 when not passed)"])
+    if info is None and (load := _LOAD_REQUEST.findall(log_text)):
+        parallel, cells, kv = load[-1]
+        kv = kv or "f16"
+        info = KVCacheInfo(dtype=kv, dtype_k=kv, dtype_v=kv, capacity_tokens=int(cells), seqs=int(parallel),
+                           source=["server log: the runner's load request (KvCacheType, empty for f16; "
+                                   "KvSize: num_ctx x parallel cells; Parallel)"])
     if info is None:
         fallback = next((f for f in _FALLBACKS if f in log_text), None)
         if fallback:
@@ -249,7 +271,7 @@ class Ollama(Adapter):
     # cell_pad: the llama.cpp runner's context is rounded up like llama-server's (OLLAMA_CONTEXT_LENGTH=144
     # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says)
     cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
-                             default_context=default_context_tokens)
+                             default_context=default_context_tokens, window_cells=window_cells)
     health_path = "/api/version"
     b: OllamaConfig
 

