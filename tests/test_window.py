@@ -155,3 +155,28 @@ def test_vllm_hybrid_pool_by_hand():
                     context=4096, block_size=128, kv_cache_memory_bytes=256 << 20)
     assert long["max_concurrency_before_preemption"] == 681 // (32 + 5 * 5) == 11
     assert long["kv_window_bytes_per_sequence"] == 5 * 128 * 15 * 256 * 2 * 2
+
+
+def test_ollamas_engine_states_its_kv_type_in_the_runners_load_request():
+    from kvexp.backends.ollama import parse_server_log, window_cells as ollama_window
+
+    log = ('time=2026-12-07T12:00:00.000Z level=INFO source=runner.go:1297 msg=load request="{Operation:commit '
+           'LoraPath:[] Parallel:2 BatchSize:512 FlashAttention:Enabled KvSize:8192 KvCacheType:q8_0 NumThreads:1 '
+           'GPULayers:[] MultiUserCache:false ProjectorPath: MainGPU:0 UseMmap:false}"\n'
+           'time=2026-12-07T12:00:01.000Z level=INFO source=device.go:245 msg="kv cache" device=CPU size="26.7 MiB"\n')
+    info = parse_server_log(log, "q8_0")
+    assert (info.dtype, info.capacity_tokens, info.seqs, info.bytes) == ("q8_0", 8192, 2, round(26.7 * MIB))
+    f16 = parse_server_log(log.replace("KvCacheType:q8_0", "KvCacheType:"), "f16")
+    assert f16.dtype == "f16"
+    # kvcache/causal.go: 2 slots keep 513 cells each + a 512 batch, padded to 256; a short context keeps it all
+    assert ollama_window(512, 4096, 2, False) == 1792 and ollama_window(512, 384, 2, False) == 768
+    assert ollama_window(512, 4096, 1, False) == 1024
+
+
+def test_the_verdict_says_what_a_windowed_models_bytes_per_token_are_made_of():
+    from kvexp.analysis.verdict import _window_words
+
+    run = {"planner": {"sliding_window": 512, "kv_bytes_per_token": 1632, "kv_window_bytes_per_sequence": 8355840}}
+    assert _window_words(run) == (" it holds (a sliding-window model: 1,632 bytes per token in its global layers "
+                                  "+ 7.97 MiB of window a sequence)")
+    assert _window_words({"planner": {"kv_bytes_per_token": 23040}}) == ""

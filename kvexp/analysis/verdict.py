@@ -181,8 +181,19 @@ def _memory_words(first: Candidate, others: list[Candidate]) -> str:
     if first.bytes_per_token is None or worst is None or worst.bytes_per_token == first.bytes_per_token:
         return ""
     ratio = worst.bytes_per_token / first.bytes_per_token  # type: ignore[operator]
-    return (f"its KV cache takes {first.bytes_per_token:,.0f} bytes per token against {worst.bytes_per_token:,.0f} "
-            f"for {worst.name}, {ratio:.2f}x the tokens in the same memory")
+    return (f"its KV cache takes {first.bytes_per_token:,.0f} bytes per token{_window_words(first.run)} against "
+            f"{worst.bytes_per_token:,.0f} for {worst.name}, {ratio:.2f}x the tokens in the same memory")
+
+
+def _window_words(run: dict) -> str:
+    """For a sliding-window model, what its bytes per token are made of: the global layers' bytes per
+    token and one sequence's window, as its planner block sized them ("" for other models)."""
+    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
+    per_token, window = D.num(p, "kv_bytes_per_token"), D.num(p, "kv_window_bytes_per_sequence")
+    if not D.num(p, "sliding_window") or per_token is None or window is None:
+        return ""
+    return (f" it holds (a sliding-window model: {per_token:,.0f} bytes per token in its global layers "
+            f"+ {window / (1 << 20):,.2f} MiB of window a sequence)")
 
 
 def _drift_words(c: Candidate) -> str:

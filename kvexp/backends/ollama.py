@@ -203,9 +203,10 @@ def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
     if info is None and (load := _LOAD_REQUEST.findall(log_text)):
         parallel, cells, kv = load[-1]
         kv = kv or "f16"
-        info = KVCacheInfo(dtype=kv, dtype_k=kv, dtype_v=kv, capacity_tokens=int(cells), seqs=int(parallel),
-                           source=["server log: the runner's load request (KvCacheType, empty for f16; "
-                                   "KvSize: num_ctx x parallel cells; Parallel)"])
+        info = KVCacheInfo(dtype=kv, dtype_k=kv, dtype_v=kv, capacity_tokens=-(-int(cells) // CELL_PAD) * CELL_PAD,
+                           seqs=int(parallel),
+                           source=["server log: the runner's load request (KvCacheType, empty for f16; KvSize: "
+                                   "num_ctx x parallel cells, which its cache pads to 256; Parallel)"])
     if info is None:
         fallback = next((f for f in _FALLBACKS if f in log_text), None)
         if fallback:
