@@ -14,8 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from kvexp.app.compose import compose
 from kvexp.assets import embedded
+from kvexp.assets.install import find_llama_perplexity
 from kvexp.backends.llamacpp import CELL_PAD
+from kvexp.backends.pool import ServerPool
+from kvexp.measure.runner import run_job
+from kvexp.results.validate import check_file
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import plan_job
 from kvexp import backends
@@ -75,3 +80,55 @@ def test_planner_kv_bytes_equal_llama_servers_two_caches(llama_server, gemma3, t
     assert plan["window_tokens"] == int(swa_cells) * slots
     assert abs(plan["kv_cache_bytes"] / MIB - served) <= 0.01 * 2  # each size is printed to 0.01 MiB
     assert int(swa_cells) == -(-min(per_seq, 512 + 512) // CELL_PAD) * CELL_PAD
+
+
+# --- a kvexp job on Gemma 3: its KV memory against the server's, its timings against the server's --------
+
+def _job(tmp: Path, *overrides: str) -> dict:
+    pool = ServerPool()
+    try:
+        res = run_job(compose(["model=gemma3-270m", *overrides]), tmp, pool=pool)
+    finally:
+        pool.release()
+    assert check_file(tmp / "result.json") == []
+    return res
+
+
+@pytest.mark.llamacpp
+def test_a_gemma3_job_records_both_caches_and_the_planner_agrees(llama_server, gemma3, tmp_path):
+    res = _job(tmp_path, f"backend.binary={llama_server}", "kv=q8_0", "scenario=cpu", "scenario.concurrency=[1,2]",
+               "scenario.requests=6", "scenario.max_tokens=32", "backend.context=8192", "backend.parallel=2")
+    assert res["status"] == "complete" and all(lv["errors"] == 0 for lv in res["levels"])
+    kv, plan = res["kv_cache"], res["planner"]
+    assert kv["dtype"] == "q8_0" and kv["capacity_tokens"] == 8192 and kv["window_tokens"] == 2 * 1024
+    assert plan["sliding_window"] == 512 and plan["window_tokens"] == kv["window_tokens"]
+    assert kv["bytes"] == plan["kv_cache_bytes"]  # exact: cells x layers x 272 bytes of q8_0 a row
+    compared = 0
+    for lv in res["levels"]:
+        server = lv["server"]
+        assert server["requests"] == lv["requests"]
+        if lv["delivery"]["bursts"]:  # tokens read together: the client cannot time them one by one
+            continue
+        assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.03)
+        compared += 1
+    print(f"\nGemma 3 TPOT compared with llama-server's own timings at {compared} of {len(res['levels'])} levels")
+
+
+@pytest.mark.llamacpp
+def test_gemma3_q4_0_drift_equals_llama_perplexity_run_by_hand(llama_server, gemma3, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXP_QUALITY_CACHE", str(tmp_path / "qcache"))
+    res = _job(tmp_path / "job", f"backend.binary={llama_server}", "kv=q4_0", "scenario=quality",
+               "quality.depths=[512]", "quality.prompts=1")
+    (d,) = res["quality"]["teacher_forced"]["depths"]
+    ppl = find_llama_perplexity(llama_server)
+    text = Path(__file__).resolve().parents[1] / "kvexp" / "assets" / "evaltext.txt"
+    base = tmp_path / "hand.kld"
+    threads = str(max(1, (os.cpu_count() or 2) - 1))
+    same = ["-m", str(gemma3), "-f", str(text), "-c", "512", "--chunks", "4", "-fa", "on", "-t", threads]
+    subprocess.run([str(ppl), *same, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
+                   check=True, capture_output=True, timeout=600)
+    out = subprocess.run([str(ppl), *same, "-ctk", "q4_0", "-ctv", "q4_0", "--kl-divergence-base", str(base),
+                          "--kl-divergence"], capture_output=True, text=True, timeout=600).stdout
+    hand = float(re.search(r"Mean\s+KLD:\s+(-?[\d.]+)", out).group(1))
+    print(f"\nGemma 3 q4_0 at 512: KLD kvexp {d['kld_mean']} vs by hand {hand}")
+    assert d["kld_mean"] == pytest.approx(hand, abs=1e-6) and hand > 0.01
