@@ -180,3 +180,15 @@ def test_the_verdict_says_what_a_windowed_models_bytes_per_token_are_made_of():
     assert _window_words(run) == (" it holds (a sliding-window model: 1,632 bytes per token in its global layers "
                                   "+ 7.97 MiB of window a sequence)")
     assert _window_words({"planner": {"kv_bytes_per_token": 23040}}) == ""
+
+
+@pytest.mark.parametrize("ctx, slots, mib", [(384, 4, 27.0), (384, 2, 13.5), (4096, 2, 24 + 26.25), (4096, 1, 27)])
+def test_ollamas_own_engine_sizes_gemma3_as_its_log_says(ctx, slots, mib):
+    """Ollama 0.24.0 runs gemma3 on its own engine: one causal cache of ctx x slots cells for the 3 global
+    layers and an SWA cache for the 15 sliding ones (kvcache/causal.go), 1,024 bytes a cell a layer in
+    f16; its log said size="27.0 MiB" at OLLAMA_CONTEXT_LENGTH=384 with 4 slots."""
+    from kvexp.backends.ollama import ENGINE_CACHE
+
+    p = plan_job(GEMMA3_270M, "f16", ENGINE_CACHE, None, prompt_tokens=128, max_tokens=64, levels=[1],
+                 context=ctx, parallel=slots)
+    assert p["kv_cache_bytes"] == mib * MIB

@@ -42,6 +42,7 @@ from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, answer_json, reported_version)
 from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
+from kvexp.capacity import gguffile
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.core.paths import cache_dir, sha256_of
@@ -96,15 +97,22 @@ def default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optio
     return min(ctx, model_context_tokens) if model_context_tokens else ctx
 
 
-def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
+def window_cells(window: int, context: int, slots: int, unified: bool) -> int:
     """The cells Ollama's own engine gives a sliding-window cache (kvcache/causal.go, Causal.Init; gemma3
-    wraps an NewSWACache beside its causal cache): one window per sequence (+1 with several), plus
+    wraps a NewSWACache beside its causal cache): one window per sequence (+1 with several), plus
     one batch of min(512, context) cells, padded to 256; a window as long as a sequence's context
-    keeps the whole context instead."""
+    keeps the whole context instead (context x slots, padded)."""
     keep = window + (1 if slots > 1 else 0)
-    if keep >= cells:
-        return cells * slots
-    return -(-(slots * keep + min(BATCH, cells)) // CELL_PAD) * CELL_PAD
+    cells = context * slots if keep >= context else slots * keep + min(BATCH, context)
+    return -(-cells // CELL_PAD) * CELL_PAD
+
+
+# Architectures Ollama 0.24.0 runs on its own engine rather than its llama.cpp runner
+# (fs/ggml/ggml.go, KV.OllamaEngineRequired); its cache is sized as ENGINE_CACHE says
+ENGINE_ARCHS = frozenset(("bert", "deepseek2", "deepseekocr", "gemma3", "gemma3n", "gemma4", "gptoss", "gpt-oss",
+                          "laguna", "llama4", "mistral3", "mllama", "nemotron_h", "nemotron_h_moe", "nemotron_h_omni",
+                          "nomic-bert", "olmo3", "qwen25vl", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next",
+                          "qwen3vl", "qwen3vlmoe", "glm4moelite", "glmocr", "lfm2", "lfm2moe"))
 
 
 # The fallbacks Ollama logs when it does not apply OLLAMA_KV_CACHE_TYPE (the runner then uses f16).
@@ -270,9 +278,10 @@ class Ollama(Adapter):
                                 exact_prompts=False,  # no tokenizer endpoint
                                 exposes_kv_usage=False, exposes_preemptions=False, logprobs=False)
     # cell_pad: the llama.cpp runner's context is rounded up like llama-server's (OLLAMA_CONTEXT_LENGTH=144
-    # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says)
+    # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says); a model Ollama runs on its own
+    # engine gets ENGINE_CACHE instead (one cache of context x slots cells, its sliding windows sized)
     cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
-                             default_context=default_context_tokens, window_cells=window_cells)
+                             default_context=default_context_tokens)
     health_path = "/api/version"
     b: OllamaConfig
 
@@ -292,6 +301,10 @@ class Ollama(Adapter):
         if tag is None and not cfg.model.gguf:
             raise ConfigError(f"model={cfg.model.name} sets neither model.ollama (a tag) nor model.gguf (a GGUF "
                               "file kvexp imports)")
+        gguf = model or cfg.model.gguf
+        gguf = embedded.gguf_path(gguf) if embedded.is_embedded(gguf) else gguf
+        if tag is None and gguf and _gguf_architecture(Path(gguf).expanduser()) in ENGINE_ARCHS:
+            self.cache_model = ENGINE_CACHE
         super().__init__(cfg, model, binary)
         self._digest: Optional[str] = None  # of the GGUF kvexp imports, once known
         if self.kv_type not in KV_TYPES:
@@ -547,6 +560,18 @@ class Ollama(Adapter):
             out.append({"name": m.get("name") or m.get("model"), "size": _count(m, "size"),
                         "size_vram": _count(m, "size_vram"), "context_length": _count(m, "context_length")})
         return out
+
+
+ENGINE_CACHE = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
+                          default_context=default_context_tokens, window_cells=window_cells, pad_whole=True)
+
+
+def _gguf_architecture(gguf: Path) -> Optional[str]:
+    """general.architecture of a GGUF (its header, read once per file); None where it cannot be read."""
+    try:
+        return str(gguffile.read_header(gguf).metadata.get("general.architecture"))
+    except (OSError, gguffile.GGUFError):
+        return None
 
 
 def models_dir() -> Path:

@@ -84,6 +84,9 @@ class CacheModel:
     # stream's cells, slots, unified); None: the planner does not know how this server sizes a window,
     # and plans every layer as global
     window_cells: Optional[Callable[[int, int, int, bool], int]] = None
+    # context_per_slot: the slots share one cache of context x slots cells, padded once (Ollama's own
+    # engine), rather than one padded share each (the llama.cpp runner)
+    pad_whole: bool = False
     # paged: the blocks one sliding-window group holds for a request of n tokens, from (n, window, block
     # size), and how the layers share the pool's blocks: (global layers, sliding layers) -> (layers per
     # group, global groups, sliding groups); None: every layer planned as global
@@ -406,7 +409,9 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                 fits = cap > 0 and (model_ctx is None or model_ctx <= cap)
         elif bpt is not None and model_ctx is not None:
             n = slots or 1
-            if cache.context_per_slot:  # Ollama's runner asks llama.cpp for ctx x n cells, padded the same way
+            if cache.context_per_slot and cache.pad_whole:  # one cache of ctx x n cells (Ollama's engine)
+                per_slot, cap = model_ctx, _pad(model_ctx * n, cache.cell_pad)
+            elif cache.context_per_slot:  # Ollama's runner asks llama.cpp for ctx x n cells, padded the same way
                 per_slot = cells_per_slot(model_ctx * n, n, cache.cell_pad)
                 cap = per_slot * n
             elif unified_kv:  # one stream of -c cells that any slot may fill
@@ -414,7 +419,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             else:
                 per_slot = cells_per_slot(model_ctx, n, cache.cell_pad)
                 cap = per_slot * n
-            win = window_tokens(cap // (1 if unified_kv else n), n, unified_kv)
+            win = window_tokens(per_slot if cache.pad_whole else cap // (1 if unified_kv else n), n, unified_kv)
             if gpu_gib is not None and weights is not None:
                 fixed = window_tokens(1 << 30, n, unified_kv) * (bpt_window or 0)  # the window, full
                 max_ctx = max_context_tokens(gpu_gib, weights + fixed / GIB_BYTES, bpt, overhead_gib=ovh)
