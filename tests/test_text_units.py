@@ -8,9 +8,10 @@ import asyncio
 import random
 import re
 
+from conftest import TINY
 
 from kvexp.workload import prompts
-from kvexp.workload.prompts import text_units, unstable_units
+from kvexp.workload.prompts import TextUnits, text_units, unstable_units
 
 SEED = 3
 
@@ -82,3 +83,34 @@ def test_unstable_units_names_a_merge_and_its_neighbours_and_reads_a_lead():
     bad, lead = unstable_units([1, 7, 4, 5], [1, 2, 3, 4, 5])  # units 2 and 3 came out as one token
     assert lead == 0 and {1, 2} <= bad and 4 not in bad
 
+
+def test_traffic_sizes_exact_text_by_what_the_server_adds(tmp_path):
+    """A backend whose text_units are known (what Ollama over an imported GGUF gives): each prompt is the
+    asked length less what the server adds; a shared prefix counts in it; the result says how."""
+    from kvexp.app.compose import compose
+    from kvexp.backends.ollama import Ollama
+    from kvexp.measure.traffic import Traffic
+
+    units = TextUnits(("a", "b", "c"), lead=0, source="fake", added=2, checks=((8, 10), (24, 26)))
+
+    class Backend:
+        capabilities = Ollama.capabilities
+
+        async def text_units(self, session, api, seed, log_dir):
+            assert log_dir == tmp_path
+            return units
+
+    cfg = compose([*TINY, "scenario.prompt_tokens=64", "scenario.prefix_tokens=16", "scenario.prefix_groups=2"])
+
+    async def build():
+        tr = await Traffic.create(Backend(), None, cfg.scenario, tmp_path)  # type: ignore[arg-type]
+        return tr, [await tr.prompt(64, g, 100 + i) for i, g in enumerate((0, 1, None))]
+
+    tr, (p0, p1, alone) = asyncio.run(build())
+    assert len(p0) == len(p1) == len(alone) == 62 and p0[:16] != p1[:16]
+    assert p0[:16] == asyncio.run(tr.prompt(64, 0, 7))[:16]  # a group's prefix is the same for the whole job
+    w = tr.describe()
+    assert w["prompt_mode"] == "exact text" and w["chars_per_token"] is None
+    assert w["text_units"] == {"source": "fake", "units": 3, "lead_tokens": 0, "added_tokens": 2,
+                               "checks": [{"units": 8, "server_tokens": 10}, {"units": 24, "server_tokens": 26}]}
+    assert "estimated_because" not in w
