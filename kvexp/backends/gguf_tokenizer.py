@@ -103,9 +103,11 @@ async def exact_units(gguf: Path, api: str, seed: int, log_dir: Path,
         return f"{tok.source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     if units is None:
         return f"{tok.source}: no text units that count as one token each however they are joined"
-    checks = tuple((n, await count(units.text(n, f"probe:{seed}:{n}"), api)) for n in PROBE_UNITS)
+    checks = []
+    for n in PROBE_UNITS:
+        checks.append((n, await count(units.text(n, f"probe:{seed}:{n}"), api)))
     added = {c - n for n, c in checks}
     if len(added) != 1 or min(added) < 0:
         said = ", ".join(f"{c} for {n}" for n, c in checks)
         return f"the server counted {said} units of text: its tokenizer does not count as {tok.source}"
-    return replace(units, added=added.pop(), checks=checks)
+    return replace(units, added=added.pop(), checks=tuple(checks))
