@@ -175,6 +175,22 @@ def test_a_gguf_without_a_tag_is_imported_into_kvexps_models_folder(tmp_path):
         make_cfg(tag=None, gguf=str(gguf), endpoint="http://127.0.0.1:11434")
 
 
+def test_exact_text_only_for_a_gguf_kvexp_imports(tmp_path, monkeypatch):
+    """A GGUF kvexp imports: the spec says offline_tokenizer (text units read with llama.cpp's tokenizer);
+    a pulled tag: estimated text, and why; no llama-server: estimated text, and how to get exact prompts."""
+    from kvexp.backends import gguf_tokenizer
+
+    gguf = tmp_path / "m.gguf"
+    _, imported = make_cfg(tag=None, gguf=str(gguf))
+    _, tagged = make_cfg(tag="qwen2.5:7b")
+    assert imported.spec.capabilities.offline_tokenizer and not tagged.spec.capabilities.offline_tokenizer
+    why = asyncio.run(tagged.text_units(None, "completions", 0, tmp_path))  # type: ignore[arg-type]
+    assert why == "model.ollama=qwen2.5:7b: a tag the server holds, whose vocabulary kvexp does not read"
+    monkeypatch.setattr(gguf_tokenizer, "find_llama_server", lambda: None)
+    why = asyncio.run(imported.text_units(None, "completions", 0, tmp_path))  # type: ignore[arg-type]
+    assert isinstance(why, str) and "python -m kvexp install llamacpp" in why
+
+
 def test_server_tpot_counts_intervals_not_tokens():
     """eval_duration runs from the first token to the last (Ollama's runners put the first token's decode
     in prompt_eval_duration): eval_count - 1 intervals, as the client's TPOT."""

@@ -94,6 +94,32 @@ def test_client_tpot_agrees_with_the_servers_eval_duration_on_the_real_model(oll
     assert abs(lv["mean_prompt_tokens"] - r["scenario"]["prompt_tokens"]) <= 0.25 * r["scenario"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("model,api", [("smollm2", "completions"), ("smollm2", "chat"), ("tiny", "completions")])
+def test_every_prompt_is_the_asked_length_by_the_servers_count(ollama, llama_server, tmp_path, model, api):
+    """Over a GGUF kvexp imports, prompts are text of one-token units found with llama.cpp's tokenizer
+    over the same file, less what the server adds (BOS, chat template): every request's
+    prompt_eval_count is its asked length, lengths drawn from a distribution and the warm-up included."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+    k, rc = _run(tmp_path, env, "backend=ollama", f"backend.binary={ollama}", f"model={model}", f"scenario.api={api}",
+                 "scenario.prompt_dist.kind=uniform", "scenario.prompt_dist.min=17", "scenario.prompt_dist.max=64",
+                 "scenario.prompt_tokens=40", "scenario.concurrency=[1]", "scenario.max_tokens=2",
+                 f"hydra.run.dir={tmp_path}/run")
+    assert rc == 0, k.output[-3000:]
+    r = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert r["server"]["capabilities"]["offline_tokenizer"] and r["workload"]["prompt_mode"] == "exact text"
+    units = r["workload"]["text_units"]
+    assert units["source"].startswith("llama.cpp's /tokenize") and "estimated_because" not in r["workload"]
+    assert [c["server_tokens"] - c["units"] for c in units["checks"]] == [units["added_tokens"]] * 2
+    rows = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    compared = [(row["target_prompt_tokens"], row["prompt_tokens"]) for row in rows if row["error"] is None]
+    assert len(compared) == len(rows) >= 9 and len({asked for asked, _ in compared}) > 1
+    assert all(asked == counted for asked, counted in compared), compared
+    print(f"\n{model} {api}: {len(compared)} requests, asked {min(compared)[0]}..{max(compared)[0]} tokens, "
+          f"prompt_eval_count equal to it in all; the server adds {units['added_tokens']}")
+    (lv,) = r["levels"]
+    assert lv["workload"]["prompts_exact"] == lv["workload"]["prompts_checked"] == lv["requests"]
+
+
 def test_sigint_leaves_no_ollama_process(ollama, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
     k = Kvexp(with_tiny(["backend=ollama", f"backend.binary={ollama}", "scenario.requests=2000",

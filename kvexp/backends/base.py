@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Optional
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
 
 import aiohttp
 
 from kvexp.capacity.planner import CacheModel, kv_bytes_per_element
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
 from kvexp.core import placement
+from kvexp.workload.prompts import TextUnits
 
 
 class BackendError(RuntimeError):
@@ -143,6 +145,9 @@ class Capabilities:
     exposes_preemptions: bool  # the server counts preemptions
     logprobs: bool  # the serving API returns token log-probabilities
     stream_keepalive: bool = True  # False: the server closes the connection after each streamed response
+    # no tokenizer endpoint, but kvexp reads the served model's vocabulary itself before the levels
+    # (Adapter.text_units): prompts are text of an exact length (Ollama serving a GGUF kvexp imports)
+    offline_tokenizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,8 @@ class Adapter:
                    context: Optional[int], per_seq: Optional[int], sources: dict[str, str],
                    env_unset: tuple[str, ...] = (), block_size: Optional[int] = None,
                    kv_budget_bytes: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
-                   unified_kv: bool = False) -> ServerSpec:
+                   unified_kv: bool = False, capabilities: Optional[Capabilities] = None) -> ServerSpec:
+        """capabilities: this job's, where they differ from the class's (default)."""
         if argv is not None:
             self.check_environment(self.b)
         return ServerSpec(
@@ -306,7 +312,7 @@ class Adapter:
             kv_bytes_per_element=kv_bytes_per_element(self.kv_type), slots=slots, context_tokens=context,
             context_per_seq_tokens=per_seq, block_size=block_size, kv_budget_bytes=kv_budget_bytes,
             gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
-            capabilities=self.capabilities, sources=tuple(sorted(sources.items())),
+            capabilities=capabilities or self.capabilities, sources=tuple(sorted(sources.items())),
             numerics=tuple(sorted(self.numerics().items())), cpus=self.placement.server_cpus)
 
     @classmethod
@@ -378,6 +384,14 @@ class Adapter:
         """For a backend without a tokenizer endpoint: how many characters of kvexp's estimated text the
         served model counts as one token, measured on the server ((ratio, characters sent, tokens counted));
         None: not measured (prompts assume prompts.CHARS_PER_TOKEN)."""
+        return None
+
+    async def text_units(self, session: aiohttp.ClientSession, api: str, seed: int,
+                         log_dir: Path) -> Union[TextUnits, str, None]:
+        """For a backend without a tokenizer endpoint: text units that each count as one token of the
+        served model, with what the server adds to a prompt of `api` (prompts.TextUnits), made before
+        the levels (a helper's log goes in log_dir); a string: why there are none here (prompts stay
+        estimated text, and the result says why); None: the backend has no way at all."""
         return None
 
     async def tokenize(self, session: aiohttp.ClientSession, text: str) -> list[int]:

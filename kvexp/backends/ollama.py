@@ -21,8 +21,14 @@ kvexp-<file stem> through the server's own API (POST /api/blobs/sha256:<digest>,
 with the file), in a models folder kvexp owns (OLLAMA_MODELS=<cache>/ollama/models): the blob is
 stored once per machine and each job re-creates the tag in milliseconds.
 
-There is no tokenizer endpoint (prompts are text of an estimated length; the realised length is the
-server's prompt_eval_count), no ignore_eos (options.num_predict only caps the output), no KV usage
+There is no tokenizer endpoint (Ollama 0.24.0's routes: none; /api/embed counts by embedding). For a
+GGUF kvexp imports, prompts are text of an exact length all the same: llama.cpp's tokenizer over the
+same file finds text units of one token each before the first level (backends/gguf_tokenizer.py), and
+two probes on the server measure what it adds (BOS, chat template). Ollama tokenizes the file's
+vocabulary itself (llama.cpp's vocabulary code for most architectures, its own Go tokenizer for those
+of its new engine), so the probes also check that it counts as llama.cpp does. For a pulled tag,
+prompts are text of an estimated length (the realised length is the server's prompt_eval_count), no
+ignore_eos (options.num_predict only caps the output), no KV usage
 and no queue gauges. /api/ps states each loaded model's size and size_vram (`loaded_models`)."""
 
 from __future__ import annotations
@@ -30,15 +36,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import aiohttp
 
 from kvexp.assets import embedded
 from kvexp.assets.install import OLLAMA_VERSION, build_ollama, find_ollama
-from kvexp.backends import openai
+from kvexp.backends import gguf_tokenizer, openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, answer_json, reported_version)
 from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
@@ -276,6 +282,7 @@ class Ollama(Adapter):
     model_field = "ollama"
     capabilities = Capabilities(forces_output_length=False,  # num_predict caps the output; it may stop earlier
                                 exact_prompts=False,  # no tokenizer endpoint
+                                offline_tokenizer=True,  # a GGUF kvexp imports (a pulled tag's spec says False)
                                 exposes_kv_usage=False, exposes_preemptions=False, logprobs=False)
     # cell_pad: the llama.cpp runner's context is rounded up like llama-server's (OLLAMA_CONTEXT_LENGTH=144
     # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says); a model Ollama runs on its own
@@ -400,7 +407,8 @@ class Ollama(Adapter):
             **b.env,
         }
         argv = [self.program or "ollama", "serve", *b.extra_args]
-        return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources)
+        return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
+                               capabilities=replace(self.capabilities, offline_tokenizer=self.imports is not None))
 
     def _options(self, max_tokens: Optional[int] = None) -> dict[str, Any]:
         # num_ctx equals OLLAMA_CONTEXT_LENGTH, so a launched server does not reload the model; on an
@@ -419,8 +427,7 @@ class Ollama(Adapter):
             body["messages"] = openai.chat_messages(prompt)
             return Request("/api/chat", body)
         if not isinstance(prompt, str):
-            raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); "
-                               "send text (kvexp.workload.prompts.estimated_text)")
+            raise BackendError("ollama: token-id prompts are not supported (no tokenizer endpoint); send text")
         if api != "completions":
             raise BackendError(f"ollama: unknown api {api!r} (completions | chat)")
         # raw: no chat template, so the prompt the server counts is the text sent (and no `context`
@@ -464,17 +471,30 @@ class Ollama(Adapter):
         the tokenizer), raw, one output token; the server's prompt_eval_count gives the ratio."""
         chars = max(16, min(PROBE_CHARS, self.context // 2))
         text = prompts.estimated_text(1, chars, seed=PROBE_SEED, chars_per_token=1.0)[0]
-        body = {**self.request(text, 1, "completions").body, "stream": False}
-        async with session.post(self.base_url + "/api/generate", json=body) as r:
+        counted = await self.prompt_tokens(session, text, "completions")
+        return len(text) / counted, len(text), counted
+
+    async def prompt_tokens(self, session: aiohttp.ClientSession, text: str, api: str) -> int:
+        """The server's prompt_eval_count for `text` sent as a request of `api` (one output token)."""
+        req = self.request(text, 1, api)
+        async with session.post(self.base_url + req.path, json={**req.body, "stream": False}) as r:
             reply = await r.text()
         try:
             counted = _count(json.loads(reply), "prompt_eval_count") if r.status == 200 else None
         except (ValueError, AttributeError):
             counted = None
         if not counted:
-            raise BackendError(f"ollama: measuring the model's characters per token failed: HTTP {r.status}: "
+            raise BackendError(f"ollama: counting a probe prompt's tokens failed: HTTP {r.status}: "
                                f"{_error_text(reply)}")
-        return len(text) / counted, len(text), counted
+        return counted
+
+    async def text_units(self, session: aiohttp.ClientSession, api: str, seed: int,
+                         log_dir: Path) -> Union[prompts.TextUnits, str, None]:
+        gguf = self.imports
+        if gguf is None:
+            return f"model.ollama={self.model_tag}: a tag the server holds, whose vocabulary kvexp does not read"
+        return await gguf_tokenizer.exact_units(gguf, api, seed, log_dir,
+                                                lambda text, a: self.prompt_tokens(session, text, a))
 
     def log_states_kv(self, log_text: str) -> bool:
         return LOADED_LINE in log_text

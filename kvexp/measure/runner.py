@@ -277,7 +277,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         _check_kv(cfg, kv, backend)
         res["planner"] = _planner_block(backend, res, arch)
         lg = LoadGenerator(session, backend, observer)
-        maker = await Traffic.create(backend, session, s)
+        maker = await Traffic.create(backend, session, s, job.out_dir)
         res["workload"] = maker.describe()
         job.save()
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)

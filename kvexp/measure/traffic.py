@@ -2,10 +2,11 @@
 (kvexp/workload/: lengths, shared prefixes, conversations, a dataset or a trace) made into requests
 of exact lengths as the server's own tokenizer counts them.
 
-Three ways to make a prompt, chosen by what the backend can do: token ids drawn from the ids the
+Four ways to make a prompt, chosen by what the backend can do: token ids drawn from the ids the
 server's tokenizer produced (completions API, a tokenizer endpoint: exact by construction), text made
-exact by counting the server's templated message (chat API), or text of an estimated length (no
-tokenizer: the realised length is the server's own count). Every level draws fresh unique parts
+exact by counting the server's templated message (chat API), text made of units of one token each
+(no tokenizer endpoint, but the model's vocabulary read before the levels: Adapter.text_units), or
+text of an estimated length (no tokenizer: the realised length is the server's own count). Every level draws fresh unique parts
 (a job-wide counter); shared prefixes are the same for the whole job, and a dataset's or a trace's
 prompts are the file's own in every level, so the runner resets the server's cache before each level
 where the backend allows it (and the level is flagged where it could not)."""
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
@@ -63,14 +65,24 @@ class Traffic:
         self.rows: list[TraceRow] = []
         # estimated text: characters per token as measured on the server (None: prompts.CHARS_PER_TOKEN)
         self.probe: Optional[tuple[float, int, int]] = None
+        self.units: Optional[prompts.TextUnits] = None  # text of one-token units (no tokenizer endpoint)
+        self.note: Optional[str] = None  # why prompts are estimated text where the backend could make them exact
 
     @classmethod
-    async def create(cls, backend: Adapter, session: aiohttp.ClientSession, s: ScenarioConfig) -> "Traffic":
+    async def create(cls, backend: Adapter, session: aiohttp.ClientSession, s: ScenarioConfig,
+                     log_dir: Path) -> "Traffic":
+        """log_dir: the job's folder (a tokenizer helper's log goes there)."""
         pool = None
         if s.api == "completions" and backend.capabilities.exact_prompts:
             pool = await prompts.token_pool(backend, session, s.seed)
         self = cls(backend, session, s, pool)
-        if not self.exact:
+        if not self.exact and not s.dataset:  # a dataset's prompts are the file's own text
+            units = await backend.text_units(session, s.api, s.seed, log_dir)
+            if isinstance(units, prompts.TextUnits):
+                self.units = units
+            else:
+                self.note = units
+        if not self.exact and self.units is None:
             self.probe = await backend.chars_per_token(session)
         if s.trace:  # token-id prompts: app/checks.check_config refuses a trace without them
             self.rows = trace_rows(s)
@@ -88,12 +100,16 @@ class Traffic:
             "prefix_tokens": s.prefix_tokens, "prefix_groups": s.prefix_groups if s.prefix_tokens else None,
             "turns": s.conversation.turns, "think_time_s": s.conversation.think_time_s,
             "prompt_mode": ("dataset text" if s.dataset else "token ids" if self.pool is not None else
-                            "exact text" if self.exact else "estimated text"),
+                            "exact text" if self.exact or self.units is not None else "estimated text"),
             "chars_per_token": None if self.probe is None else {
                 "value": round(self.probe[0], 4), "probe_chars": self.probe[1], "probe_tokens": self.probe[2]},
             "server_prompt_cache": self.cache,
             "dataset": None, "trace": None,
         }
+        if self.units is not None:
+            out["text_units"] = self.units.to_json()
+        if self.note is not None:
+            out["estimated_because"] = self.note
         if s.dataset:
             out["dataset"] = {"file": str(resolve_path(s.dataset)), "entries": len(self.entries),
                               "left_out_over_prompt_tokens": self.left_out}
@@ -161,6 +177,9 @@ class Traffic:
         if self.pool is not None:
             rest = prompts.token_prompts(self.pool, 1, length - (s.prefix_tokens if prefix else 0), seed)[0]
             return (prefix or []) + rest
+        if self.units is not None:  # the server adds units.added (a BOS, a chat template)
+            own = length - self.units.added - (s.prefix_tokens if prefix else 0)
+            return (prefix or "") + self.units.text(max(1, own), seed)
         lead = f"{prefix} " if prefix else ""
         if self.exact:
             async def count(session: aiohttp.ClientSession, text: str) -> int:
@@ -178,6 +197,8 @@ class Traffic:
             s = self.s
             if self.pool is not None:
                 self._prefixes[group] = prefix_tokens_of(self.pool, group, s.prefix_tokens, s.seed)
+            elif self.units is not None:
+                self._prefixes[group] = self.units.text(s.prefix_tokens, f"prefix:{s.seed}:{group}")
             elif self.exact:
                 async def count(session: aiohttp.ClientSession, text: str) -> int:
                     return len(await self.backend.tokenize(session, text))
@@ -196,6 +217,8 @@ class Traffic:
         """A new user message of `length` tokens (token ids, or text) for a conversation's turn."""
         if self.pool is not None:
             return prompts.token_prompts(self.pool, 1, length, seed)[0]
+        if self.units is not None:  # joins a history: nothing is added to it
+            return self.units.text(length, seed)
         return await self.prompt(length, None, seed)
 
     # ---- datasets

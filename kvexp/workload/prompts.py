@@ -4,19 +4,28 @@ tokenizer counts it.
 Completions requests send token ids drawn (seeded) from the ids the server's tokenizer produced for a
 corpus of plain words, so the prompt is exactly N tokens by construction and no two requests share a
 prefix (no prefix-cache flattery). Chat requests need text: words are added or removed until the
-server's count of the templated message is exactly N. Backends without a tokenizer (Ollama) get
-text of an estimated length, and the realised length is recorded from the server's own count. The
-words are made up (made_up_words), seeded; the example files kvexp ships are written from them too."""
+server's count of the templated message is exactly N. A backend without a tokenizer endpoint whose
+model's vocabulary kvexp can still read (Ollama serving a GGUF kvexp imports: llama.cpp's tokenizer
+over the same file, before the levels) gets text made of units that each count as one token
+(`text_units`), N of them less what the server adds (a BOS, a chat template), as measured on the
+server; one it cannot read gets text of an estimated length, and the realised length is recorded
+from the server's own count. The words are made up (made_up_words), seeded; the example files kvexp
+ships are written from them too."""
 
 from __future__ import annotations
 
+import difflib
 import random
-from typing import Optional, Protocol
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional, Protocol
 
 import aiohttp
 
 WORDS_PER_CORPUS = 3000
 CHARS_PER_TOKEN = 4.0  # the estimate for a backend without a tokenizer
+MIN_UNITS = 8  # fewer one-token units than this: no exact text
+UNIT_ROUNDS = 8  # shuffles of the units tried at most, until CLEAN_ROUNDS in a row keep every unit
+CLEAN_ROUNDS = 2
 
 
 def made_up_words(rng: random.Random, n: int) -> list[str]:
@@ -85,3 +94,84 @@ def estimated_text(n: int, length: int, seed: int, chars_per_token: float = CHAR
             words.extend(made_up_words(rng, 8))
         out.append(" ".join(words)[:chars].rstrip() or words[0][:chars])
     return out
+
+
+Pieces = Callable[[str], Awaitable[list[tuple[int, str]]]]  # a text -> its tokens (id, text of the token)
+
+
+@dataclass(frozen=True)
+class TextUnits:
+    """Pieces of text that each count as one token of the served model, however they are joined: a
+    word with its leading space (" ab" in a byte-level BPE vocabulary), or a character (a vocabulary of
+    one character per token). `added` is what the server counts beside the text (a BOS, a chat
+    template), measured on the server; `lead` what the tokenizer itself puts before a text (a space
+    prefix), part of `added` on the server."""
+
+    units: tuple[str, ...]
+    lead: int
+    source: str  # the tokenizer that counted them
+    added: int = 0
+    checks: tuple[tuple[int, int], ...] = ()  # (units sent, tokens the server counted) of the server's probes
+
+    def text(self, tokens: int, seed: int | str) -> str:
+        """Text of exactly `tokens` units (seeded: no two seeds share more than a unit's beginning)."""
+        rng = random.Random(seed)
+        return "".join(rng.choice(self.units) for _ in range(tokens))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "units": len(self.units), "lead_tokens": self.lead,
+                "added_tokens": self.added,
+                "checks": [{"units": u, "server_tokens": c} for u, c in self.checks]}
+
+
+async def text_units(pieces: Pieces, seed: int, source: str) -> Optional[TextUnits]:
+    """One-token units of the vocabulary behind `pieces`, found in its tokenization of a corpus of
+    made-up words: the word-start tokens (a space and letters), else the letters of a vocabulary that
+    has too few of them. Every unit is then checked where it stands in text: all the units, shuffled,
+    are tokenized together and those whose tokens are not their own one (a merge across a boundary) are
+    dropped, until CLEAN_ROUNDS shuffles in a row keep every unit and the tokens the tokenizer puts
+    before the text stay the same; None when that does not happen within UNIT_ROUNDS, or too few
+    units are left."""
+    corpus = " ".join(made_up_words(random.Random(seed), WORDS_PER_CORPUS))
+    seen = {piece: tid for tid, piece in await pieces(corpus)}
+    spaced = {p: t for p, t in seen.items() if len(p) > 1 and p[0] == " " and _letters(p[1:])}
+    units = spaced if len(spaced) >= MIN_UNITS else {p: t for p, t in seen.items() if _letters(p)}
+    rng = random.Random(f"units:{seed}")
+    leads: set[int] = set()
+    clean = 0
+    for _ in range(UNIT_ROUNDS):
+        if len(units) < MIN_UNITS:
+            return None
+        order = sorted(units)
+        rng.shuffle(order)
+        ids = [tid for tid, _ in await pieces("".join(order))]
+        bad, lead = unstable_units(ids, [units[u] for u in order])
+        if bad:
+            for i in bad:
+                units.pop(order[i], None)
+            clean = 0
+            continue
+        leads.add(lead)
+        clean += 1
+        if clean == CLEAN_ROUNDS:
+            return TextUnits(tuple(sorted(units)), lead, source) if len(leads) == 1 else None
+    return None
+
+
+def unstable_units(ids: list[int], expected: list[int]) -> tuple[set[int], int]:
+    """(positions in `expected` whose token is not its own in `ids`, with their neighbours: a merge
+    spans a boundary; tokens before the first unit). `expected` holds one token per unit."""
+    bad: set[int] = set()
+    lead = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ids, expected, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if tag == "delete" and i1 == 0 and j1 == j2 == 0:  # what the tokenizer puts before any text
+            lead = i2
+            continue
+        bad.update(range(max(j1 - 1, 0), min(j2 + 1, len(expected))))
+    return bad, lead
+
+
+def _letters(text: str) -> bool:
+    return text.isascii() and text.isalpha()
