@@ -126,6 +126,10 @@ def _announce(jobs: list[Any], skipped: list[tuple[str, str]], backend_only: dic
               overrides: list[str]) -> None:
     """Before the first job: the keys set for some backends only, and the jobs that will be recorded
     as skipped (an unsupported backend/kv pair), each with its reason."""
+    from kvexp.app.preflight import download_notes
+
+    for line in download_notes(jobs):
+        print(f"kvexp: {line}", file=sys.stderr)
     if backend_only:
         backends = sweep_backends(sweep_overrides(overrides))
         for line in ignored_keys_note(backend_only, backends):
@@ -413,12 +417,23 @@ def cmd_plan(argv: list[str]) -> int:
                 preflight.check_model_file(cfg)
     except (ConfigError, ValueError) as e:
         return _refused(e)
+    _gpu_from_nvml(cfgs)
     table = calibration.load()
     print(plan_table(cfgs, table))
     if gpus or len({(c.gpu.name, c.gpu.memory_gib) for c in cfgs}) > 1:
         print("What if: the same configurations on each GPU\n")
         print(whatif_table(cfgs, table))
     return 0
+
+
+def _gpu_from_nvml(cfgs: list[Any]) -> None:
+    """gpu=auto plans for this machine's GPU, as a run does: its name and memory from NVML (none: unknown)."""
+    from kvexp.measure.gpu import gpu_info
+
+    for cfg in cfgs:
+        if cfg.gpu.name is None and cfg.gpu.memory_gib is None:
+            gi = gpu_info(cfg.gpu.index, quiet=True)
+            cfg.gpu.name, cfg.gpu.memory_gib = gi.name, gi.memory_gib
 
 
 def whatif_args(argv: list[str]) -> tuple[list[str], bool]:

@@ -29,6 +29,7 @@ from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
+from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
 from kvexp.workload import scenario
@@ -342,7 +343,12 @@ class VLLM(Adapter):
             if b.tensor_parallel > 1:
                 argv += ["--tensor-parallel-size", str(b.tensor_parallel)]
             argv += list(b.extra_args)
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
+        # offline, unless the job serves a hub id that is not in the local cache and downloads are allowed
+        hub = modelinfo.hub_download(self.cfg.model, "hf") if self.cfg.model.allow_download and not b.endpoint else None
+        if hub is not None:
+            sources["model_download"] = f"model.hf={hub}: not in the local Hugging Face cache, downloaded at start"
+        env = {**({} if hub else {"HF_HUB_OFFLINE": "1"}), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+               **b.env}
         if cpu and self.placement.server_cpus:  # split on the CPU build: its OpenMP threads on the server's CPUs
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, self.placement.server_cpus)))
         if scenario.resets_cache(s):  # /reset_prefix_cache is served in development mode only
