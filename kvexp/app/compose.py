@@ -28,13 +28,51 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text)).strip("._") or "job"
 
 
-def setup_hydra() -> None:
-    """Register kvexp's schemas and the `safe` resolver with Hydra/OmegaConf (idempotent; called before
-    anything composes a config, never at import)."""
+OWN_MODEL = "own"  # conf/model/own.yaml: the model a `model.gguf=` or `model.hf=` alone names
+MODEL_FILE_KEYS = ("model.gguf", "model.hf")
+
+
+def own_model_name(gguf: Optional[str], hf: Optional[str]) -> str:
+    """The name of a model given by its file alone: the GGUF's file name (a split file's without its
+    -00001-of-00003), the folder's (a hub-cache snapshot: its repository's), or a hub id itself (what
+    `vllm serve ID` serves it as, so that a server attached to answers to it)."""
+    for value in (gguf, hf):
+        if value and not str(value).startswith("@"):
+            p = Path(str(value).rstrip("/"))
+            if value is hf and "/" in str(value) and not str(value).startswith(("/", ".", "~")) and not p.exists():
+                return str(value)
+            if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+                p = Path(p.parent.parent.name.split("--")[-1])
+            name = re.sub(r"-\d{5}-of-\d{5}$", "", p.stem if p.suffix == ".gguf" else p.name)
+            if name:
+                return name
+    return OWN_MODEL
+
+
+def _resolvers() -> None:
+    """OmegaConf's resolvers kvexp's conf/ uses (idempotent): `safe` for folder names, and the name of a
+    model given by its file (conf/model/own.yaml), which every process that builds a job's config needs."""
     if not OmegaConf.has_resolver("safe"):
         OmegaConf.register_new_resolver("safe", safe_name)
+    if not OmegaConf.has_resolver("kvexp_model_name"):
+        OmegaConf.register_new_resolver("kvexp_model_name", own_model_name)
+
+
+def setup_hydra() -> None:
+    """Register kvexp's schemas and resolvers with Hydra/OmegaConf (idempotent; called before anything
+    composes a config, never at import)."""
+    _resolvers()
     register_configs()
     hide_schema_notice()
+
+
+def own_model(overrides: list[str]) -> list[str]:
+    """`model.gguf=PATH` or `model.hf=DIR` without a `model=`: the model is the file's own (model=own),
+    not the default preset's with another file, so nothing of another model's architecture is planned."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and not o.startswith("~")}
+    if "model" in keys or not keys & set(MODEL_FILE_KEYS):
+        return list(overrides)
+    return [f"model={OWN_MODEL}", *overrides]
 
 
 def hide_schema_notice() -> None:
@@ -154,6 +192,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
         else:
             raise ConfigError(f"{a}: not an option of a run (options: -m, --cfg job|hydra|all, --resolve, "
                               "--info, --help, --version; see python -m kvexp --help)")
+    overrides = own_model(overrides)
     multirun = any(f in ("-m", "--multirun") for f in flags)
     used = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     keys = {o.lstrip("+~").partition("=")[0] for o in overrides}
@@ -265,6 +304,7 @@ def default_folder(overrides: list[str], multirun: bool) -> Path:
 
 def to_experiment(node: Any) -> ExperimentConfig:
     """The typed config of a composed node (Hydra's own `hydra` node, if there, left out)."""
+    _resolvers()  # a job's own process (Slurm, Ray) resolves its model's name here
     if "hydra" in node:
         node = node.copy()  # a copy keeps the schema (masked_copy would make it a plain dict)
         with open_dict(node):
@@ -275,7 +315,7 @@ def to_experiment(node: Any) -> ExperimentConfig:
 def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
     """Every job of a sweep, composed (a backend-only key set for the jobs whose backend declares it,
     see backend_only_keys); raises ConfigError with one line."""
-    overrides, partial = backend_only_keys(overrides)
+    overrides, partial = backend_only_keys(own_model(overrides))
     try:
         combos = sweep_overrides(overrides)
         lists = sweep_lists(overrides)

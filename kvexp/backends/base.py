@@ -179,6 +179,7 @@ class ServerSpec:
     sources: tuple[tuple[str, str], ...] = ()  # where slots, context, block size, budget came from
     numerics: tuple[tuple[str, Any], ...] = ()  # launch settings besides the KV dtype that change the numbers
     cpus: Optional[tuple[int, ...]] = None  # the CPUs the server is pinned to (None: not pinned)
+    tensor_parallel: int = 1  # GPUs that split the weights and the KV cache (vLLM --tensor-parallel-size)
 
     def launch_argv(self, port: int) -> list[str]:
         if self.argv is None:
@@ -213,6 +214,7 @@ class ServerSpec:
             "sources": dict(self.sources),
             "numerics": dict(self.numerics),
             "cpus": None if self.cpus is None else list(self.cpus),
+            "tensor_parallel": self.tensor_parallel,
         }
 
 
@@ -237,6 +239,7 @@ class Adapter:
     # (None: health_path, where the server has no such path)
     watch_path: ClassVar[Optional[str]] = None
     installable: ClassVar[bool] = False  # `python -m kvexp install <name>` builds or installs its server
+    cuda_build: ClassVar[bool] = False  # and can make its CUDA build (`install <name> --cuda`)
 
     def __init__(self, cfg: ExperimentConfig, model_path: Optional[str], program: Optional[str]):
         check_kv(self.name, cfg.kv)
@@ -291,7 +294,8 @@ class Adapter:
         return cls.create(cfg, locate).spec
 
     @classmethod
-    def install(cls, force: bool = False) -> None:
+    def install(cls, force: bool = False, build: str = "cpu") -> None:
+        """Install the server once; build "cpu" or, where cuda_build, "cuda" (kvexp/assets/cuda.py chooses)."""
         raise ConfigError(f"{cls.name}: kvexp cannot install this server; install it yourself")
 
     def _spec(self) -> ServerSpec:
@@ -301,7 +305,8 @@ class Adapter:
                    context: Optional[int], per_seq: Optional[int], sources: dict[str, str],
                    env_unset: tuple[str, ...] = (), block_size: Optional[int] = None,
                    kv_budget_bytes: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
-                   unified_kv: bool = False, capabilities: Optional[Capabilities] = None) -> ServerSpec:
+                   unified_kv: bool = False, capabilities: Optional[Capabilities] = None,
+                   tensor_parallel: int = 1) -> ServerSpec:
         """capabilities: this job's, where they differ from the class's (default)."""
         if argv is not None:
             self.check_environment(self.b)
@@ -313,7 +318,8 @@ class Adapter:
             context_per_seq_tokens=per_seq, block_size=block_size, kv_budget_bytes=kv_budget_bytes,
             gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
             capabilities=capabilities or self.capabilities, sources=tuple(sorted(sources.items())),
-            numerics=tuple(sorted(self.numerics().items())), cpus=self.placement.server_cpus)
+            numerics=tuple(sorted(self.numerics().items())), cpus=self.placement.server_cpus,
+            tensor_parallel=tensor_parallel)
 
     @classmethod
     def check_environment(cls, b: BackendConfig) -> None:

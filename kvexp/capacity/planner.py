@@ -292,8 +292,10 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
              parallel: int | None = None, block_size: int | None = None,
              overhead_gib: float | None = None, calibrated_overhead_gib: float | None = None,
              kv_cache_memory_bytes: int | None = None, unified_kv: bool = False,
-             shared_prefix_tokens: int = 0, prefix_groups: int = 1) -> dict[str, Any]:
-    """The JSON-ready planner block of one job. Keys (stable; None where unknown):
+             shared_prefix_tokens: int = 0, prefix_groups: int = 1, tensor_parallel: int = 1) -> dict[str, Any]:
+    """The JSON-ready planner block of one job (tensor_parallel GPUs of gpu_gib each split the weights and
+    the KV cache: the pool is what all of them leave, each keeping its own overhead). Keys (stable; None
+    where unknown):
 
     kv_bytes_per_element, kv_bytes_per_token  (a windowed model: the global layers' bytes, the per-token part)
     kv_window_bytes_per_token  the sliding layers' bytes per cell they keep (None: no window planned)
@@ -367,6 +369,10 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                           f"{cache.name} default for this GPU")
     if gpu_gib is not None:
         sources.setdefault("gpu_gib", "argument")
+    tp = max(1, int(tensor_parallel or 1))
+    gpus_gib = None if gpu_gib is None else gpu_gib * tp  # every GPU's memory, the weights split over them
+    if tp > 1:
+        sources.setdefault("tensor_parallel", "argument")
 
     def window_tokens(per_stream: int, slots_: int, unified: bool) -> int:
         """Cells the sliding layers keep in all streams (0 without a window)."""
@@ -389,8 +395,8 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
         cap = per_slot = peak = max_ctx = fits = None
         win = 0
         if bpt is not None and groups is not None:  # a hybrid pool: a block holds bs tokens of one group's layers
-            budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else (
-                None if gpu_gib is None or weights is None else (gpu_gib * util - weights - ovh) * GIB_BYTES)
+            budget = kv_cache_memory_bytes * tp if kv_cache_memory_bytes is not None else (
+                None if gpus_gib is None or weights is None else (gpus_gib * util - weights - ovh) * GIB_BYTES)
             if budget is not None:
                 per_layer = bpt / int(arch.global_layers)  # type: ignore[arg-type]
                 cap = capacity_from_kv_bytes(budget, groups[0] * per_layer, bs)
@@ -399,9 +405,9 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                 fits = cap > 0 and (model_ctx is None or request_blocks(model_ctx) <= cap // bs)
         elif bpt is not None and paged:
             if kv_cache_memory_bytes is not None:
-                cap = capacity_from_kv_bytes(kv_cache_memory_bytes, bpt, bs)
-            elif gpu_gib is not None and weights is not None:
-                cap = vllm_capacity_tokens(gpu_gib, weights, bpt, gpu_memory_utilization=util,
+                cap = capacity_from_kv_bytes(kv_cache_memory_bytes * tp, bpt, bs)  # a budget per GPU
+            elif gpus_gib is not None and weights is not None:
+                cap = vllm_capacity_tokens(gpus_gib, weights, bpt, gpu_memory_utilization=util,
                                            overhead_gib=ovh, block_size=bs)
             if cap is not None:
                 max_ctx = cap
@@ -420,9 +426,9 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
                 per_slot = cells_per_slot(model_ctx, n, cache.cell_pad)
                 cap = per_slot * n
             win = window_tokens(per_slot if cache.pad_whole else cap // (1 if unified_kv else n), n, unified_kv)
-            if gpu_gib is not None and weights is not None:
+            if gpus_gib is not None and weights is not None:
                 fixed = window_tokens(1 << 30, n, unified_kv) * (bpt_window or 0)  # the window, full
-                max_ctx = max_context_tokens(gpu_gib, weights + fixed / GIB_BYTES, bpt, overhead_gib=ovh)
+                max_ctx = max_context_tokens(gpus_gib, weights + fixed / GIB_BYTES, bpt, overhead_gib=ovh)
                 if cache.context_per_slot:
                     max_ctx //= n
         if groups is not None:
@@ -431,8 +437,8 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             kv_bytes = None if cap is None or bpt is None else _num(cap * bpt + win * (bpt_window or 0))
         if kv_bytes is not None and weights is not None:
             peak = weights + kv_bytes / GIB_BYTES + ovh
-            if gpu_gib is not None and (not paged or kv_cache_memory_bytes is not None):
-                fits = peak <= gpu_gib and fits is not False
+            if gpus_gib is not None and (not paged or kv_cache_memory_bytes is not None):
+                fits = peak <= gpus_gib and fits is not False
         request_fits = None if per_slot is None else request_tokens <= per_slot
         max_pre = max_req = None
         usable = cap if cap is None or not paged else max(0, cap - cache.reserved_blocks * bs)
@@ -482,10 +488,10 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             window_per_sequence = _num(cache.window_blocks(1 << 30, window, int(bs)) * bs * bpt_window)  # type: ignore[arg-type]
         elif cache.window_cells is not None:
             window_per_sequence = _num(cache.window_cells(window, 1 << 30, 1, False) * bpt_window)
-    main = capacity_fields(overhead)
+    main = capacity_fields(overhead * tp)
     calibrated = None
     if calibrated_overhead_gib is not None:
-        cal = capacity_fields(calibrated_overhead_gib)
+        cal = capacity_fields(calibrated_overhead_gib * tp)
         calibrated = {"overhead_gib": _gib(calibrated_overhead_gib),
                       **{k: v for k, v in cal.items()
                          if k not in ("context_per_slot_tokens", "request_fits", "window_tokens")}}
@@ -538,6 +544,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "shared_prefix_tokens": shared_prefix_tokens,
             "prefix_groups": prefix_groups,
             "prefix_shared_in_cache": bool(shared),
+            "tensor_parallel": tp,
         },
         "sources": sources,
     }

@@ -128,6 +128,9 @@ class ModelConfig:
     # Sliding-window attention: the window in tokens and how many layers use it (the rest keep every token)
     sliding_window: Optional[int] = None
     sliding_layers: Optional[int] = None
+    # A model.hf hub id that is not in the local Hugging Face cache is downloaded by vLLM when its server
+    # starts (said at the start of the run); false refuses such a job before anything runs.
+    allow_download: bool = True
 
 
 @dataclass

@@ -149,7 +149,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     # between a server's start and its last level (a pooled connection would go stale meanwhile)
     arch = _model_arch(backend)
     if arch is not None:
-        res["model"].update(modelinfo.weights_of(arch))
+        res["model"].update(modelinfo.weights_of(arch), architecture=modelinfo.architecture_of(arch))
     field = backend.served_field(cfg.model)
     res["model"]["origin"] = embedded.origin(getattr(cfg.model, field, None), field == "gguf")
     reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed

@@ -38,7 +38,7 @@ def plan_spec(arch: ModelArch, spec: ServerSpec, gpu_gib: Optional[float], *, pr
                            context=spec.context_tokens, parallel=spec.slots, block_size=spec.block_size,
                            calibrated_overhead_gib=calibrated_overhead_gib, kv_cache_memory_bytes=spec.kv_budget_bytes,
                            unified_kv=spec.unified_kv, shared_prefix_tokens=shared_prefix_tokens,
-                           prefix_groups=prefix_groups)
+                           prefix_groups=prefix_groups, tensor_parallel=spec.tensor_parallel)
     out["sources"].update(dict(spec.sources))
     return out
 

@@ -9,7 +9,8 @@ re-plans them for another GPU's memory with planner.py's formulas:
   whole blocks, and the whole requests it holds before the scheduler preempts;
 - fixed slots (llama.cpp, Ollama): the most KV cells that fit beside the weights and the overhead
   (the largest `-c`), and how many slots of one request each (padded as the server pads them) that is,
-  before further requests queue.
+  at most the slots the configuration launches with (a server with 4 slots serves 4 requests at once on
+  any GPU), before further requests queue.
 
 The overhead is the reference planner's 1.5 GiB, and beside it the overhead this machine measured
 (calibration.py's fitted table): for that GPU when it was measured there, else the mean of what was
@@ -117,10 +118,17 @@ def _server_slots(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: 
     return cache.default_slots
 
 
+def _fixed_slots(inputs: Mapping[str, Any], cache: CacheModel) -> int:
+    """The slots a fixed-slot server (llama.cpp -np, OLLAMA_NUM_PARALLEL) runs: what the configuration
+    launches with (backend.parallel, else the scenario's highest concurrency), else the server's default."""
+    return int(inputs.get("parallel") or cache.default_slots or 1)
+
+
 def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
-         overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool], bool]:
+         overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool], bool, Optional[int]]:
     """(KV tokens, concurrent requests before preemption/queueing, the configuration fits, the server's
-    cap on sequences at once is what limits the concurrent requests)."""
+    cap on sequences at once (vLLM --max-num-seqs, llama.cpp/Ollama slots) is what limits the concurrent
+    requests, the whole requests the memory alone would hold)."""
     arch = _arch(inputs)
     kv = str(inputs.get("kv_dtype"))
     gpu_gib = float(gpu.memory_gib or 0)
@@ -134,30 +142,34 @@ def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheMode
             gpu_memory_utilization=inputs.get("gpu_memory_utilization"),
             context=inputs.get("context_tokens"), parallel=slots,
             block_size=inputs.get("block_size") if user("block_size") else None, overhead_gib=overhead_gib,
+            tensor_parallel=int(inputs.get("tensor_parallel") or 1),
             kv_cache_memory_bytes=inputs.get("kv_cache_memory_bytes") if user("kv_cache_memory_bytes") else None)
         pool, served = p["max_concurrency_before_preemption"], p["max_concurrent_requests"]
         capped = slots is not None and pool is not None and served is not None and pool > served
-        return p["capacity_tokens"], served, p["fits"], capped
+        return p["capacity_tokens"], served, p["fits"], capped, pool
     if arch.weights_gib is None or request <= 0:
-        return None, None, None, False
+        return None, None, None, False, None
     # one slot per request, each with its own stream: what one request's slot takes, window included
     per_request = planner.cells_per_slot(request, 1, cache.cell_pad)
     one = planner.plan_job(arch, kv, cache, None, prompt_tokens=prompt, max_tokens=out, levels=[],
                            context=per_request, parallel=1, overhead_gib=overhead_gib)
     if one["kv_cache_bytes"] is None or one["kv_bytes_per_token"] is None:
-        return None, None, None, False
+        return None, None, None, False, None
     free = (gpu_gib - arch.weights_gib - overhead_gib) * planner.GIB_BYTES
-    conc = max(0, math.floor(free / one["kv_cache_bytes"]))
+    held = max(0, math.floor(free / one["kv_cache_bytes"]))
     cells = planner.max_context_tokens(gpu_gib, arch.weights_gib, one["kv_bytes_per_token"], overhead_gib=overhead_gib)
-    return (cells if one["sliding_window"] is None else conc * per_request), conc, conc > 0, False
+    slots = _fixed_slots(inputs, cache)  # the server serves no more requests at once than it has slots
+    return (cells if one["sliding_window"] is None else held * per_request), min(held, slots), held > 0, \
+        held > slots, held
 
 
 def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
             calibration: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None) -> dict[str, Any]:
     """One what-if row (JSON-ready; None where unknown): gpu, gpu_name, gpu_gib, backend, model,
     kv_dtype, request_tokens, paged, limit ("preemption" | "queueing"; "max_num_seqs": a paged server's
-    cap on sequences at once binds before its pool does), max_num_seqs (that cap), kv_tokens, max_concurrent,
-    fits, overhead_gib, and the same three with the calibrated overhead (calibrated_overhead_gib,
+    cap on sequences at once binds before its pool does; "slots": a slotted server's slots bind before the
+    memory does), max_num_seqs (that cap), slots (llama.cpp/Ollama), kv_tokens, max_concurrent (capped by
+    either), memory_concurrent (the whole requests the memory alone holds), fits, overhead_gib, and the same three with the calibrated overhead (calibrated_overhead_gib,
     calibrated_from: the GPU(s) it was measured on, calibrated_kv_tokens, calibrated_max_concurrent)."""
     backend = backend or str(inputs.get("backend") or cache.name)
     overhead = inputs.get("overhead_gib")
@@ -167,21 +179,27 @@ def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheM
         "model": inputs.get("model"), "kv_dtype": inputs.get("kv_dtype"),
         "request_tokens": (inputs.get("prompt_tokens") or 0) + (inputs.get("max_tokens") or 0),
         "paged": cache.paged, "limit": "preemption" if cache.paged else "queueing",
-        "max_num_seqs": None, "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None, "fits": None,
+        "max_num_seqs": None, "slots": None, "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None,
+        "memory_concurrent": None, "fits": None,
         "calibrated_overhead_gib": None, "calibrated_from": None, "calibrated_kv_tokens": None,
         "calibrated_max_concurrent": None,
     }
     if gpu.memory_gib is None:
         return row
-    row["kv_tokens"], row["max_concurrent"], row["fits"], capped = _fit(inputs, sources, cache, gpu, overhead)
+    row["kv_tokens"], row["max_concurrent"], row["fits"], capped, row["memory_concurrent"] = _fit(
+        inputs, sources, cache, gpu, overhead)
     if cache.paged:
         row["max_num_seqs"] = _server_slots(inputs, sources, cache, gpu)
         if capped:
             row["limit"] = "max_num_seqs"
+    else:
+        row["slots"] = _fixed_slots(inputs, cache)
+        if capped:
+            row["limit"] = "slots"
     cal, where = overhead_for(calibration, backend, gpu.name, str(inputs.get("kv_dtype")), inputs.get("dtype_bytes"))
     if cal is not None:
         row["calibrated_overhead_gib"], row["calibrated_from"] = round(cal, 4), where
-        row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _, _ = _fit(inputs, sources, cache, gpu, cal)
+        row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _, _, _ = _fit(inputs, sources, cache, gpu, cal)
     return row
 
 
@@ -223,6 +241,9 @@ def limit_text(r: Mapping[str, Any]) -> str:
     """What happens to requests beyond the concurrent ones."""
     if r["limit"] == "max_num_seqs":
         return f"queueing beyond (--max-num-seqs {r['max_num_seqs']:,})"
+    if r["limit"] == "slots":  # the memory would hold more requests than the server has slots
+        held = "" if r.get("memory_concurrent") is None else f"; the memory holds {r['memory_concurrent']:,}"
+        return f"queueing beyond ({r['slots']:,} slots{held})"
     return f"{r['limit']} beyond"
 
 
@@ -240,6 +261,7 @@ def markdown_table(rows: list[tuple[Mapping[str, Any], Optional[str]]]) -> str:
               "block pool at its memory utilisation; llama.cpp/Ollama: the largest context that fits). "
               "Concurrent requests: whole requests of the scenario held at once before vLLM preempts (or "
               "queues them beyond its --max-num-seqs: the value set, else vLLM's default for that GPU), or "
-              "slots of one request each before llama.cpp/Ollama queue. cal.: with the overhead this "
+              "slots of one request each before llama.cpp/Ollama queue (at most the slots the configuration "
+              "launches with: backend.parallel, else the scenario's highest concurrency). cal.: with the overhead this "
               "machine measured (calibration file).")
     return "\n".join(lines + ["", legend]) + "\n"
