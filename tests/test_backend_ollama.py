@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 
 from kvexp.backends.base import BackendError
-from kvexp.backends.ollama import Ollama, OllamaConfig, models_dir, parse_ndjson_line, parse_server_log
+from kvexp.backends.ollama import Ollama, OllamaConfig, models_dir, parse_ndjson_line
+from kvexp.backends.ollamacache import parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.measure.client import make_session

@@ -15,7 +15,8 @@ from kvexp import backends
 from kvexp.planning import prediction
 from kvexp.report import summary
 from kvexp.backends.llamacpp import LlamaCppConfig
-from kvexp.backends.ollama import OllamaConfig, default_context_tokens
+from kvexp.backends.ollama import OllamaConfig
+from kvexp.backends.ollamacache import default_context_tokens
 from kvexp.backends.vllm import VLLMConfig
 from kvexp.core.config import ExperimentConfig, GPUConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.capacity.planner import ModelArch, plan_job

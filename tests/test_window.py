@@ -100,14 +100,14 @@ def test_gemma3_27b_what_if_by_hand():
     global, 52 sliding), f16 KV, llama.cpp, one 4,096 + 256-token request a slot, on an H100 preset."""
     inputs = {"model": "gemma3-27b", "backend": "llamacpp", "kv_dtype": "f16", "n_layers": 62, "n_kv_heads": 16,
               "head_dim": 128, "params_b": 27.0, "weights_gib": 50.0, "sliding_layers": 52,
-              "model_sliding_window": 1024, "prompt_tokens": 4096, "max_tokens": 256}
+              "model_sliding_window": 1024, "prompt_tokens": 4096, "max_tokens": 256, "parallel": 48}
     h100 = whatif.GPUPreset("h100", "NVIDIA H100 80GB HBM3", 79.65)
     row = whatif.what_if(inputs, {}, LLAMACPP, h100)
     cells = 4352  # 4,096 + 256 tokens, a multiple of 256 already
     global_bytes = cells * 2 * 10 * 16 * 128 * 2
     window_bytes = 1536 * 2 * 52 * 16 * 128 * 2  # pad256(min(4,352, 1,024 + 512))
     free = (79.65 - 50.0 - 1.5) * 2**30
-    assert row["max_concurrent"] == int(free // (global_bytes + window_bytes)) == 29
+    assert row["memory_concurrent"] == row["max_concurrent"] == int(free // (global_bytes + window_bytes)) == 29
     flat = whatif.what_if({**inputs, "sliding_layers": None, "model_sliding_window": None}, {}, LLAMACPP, h100)
     assert flat["max_concurrent"] == int(free // (cells * 2 * 62 * 16 * 128 * 2)) == 13
 
@@ -158,7 +158,7 @@ def test_vllm_hybrid_pool_by_hand():
 
 
 def test_ollamas_engine_states_its_kv_type_in_the_runners_load_request():
-    from kvexp.backends.ollama import parse_server_log, window_cells as ollama_window
+    from kvexp.backends.ollamacache import parse_server_log, window_cells as ollama_window
 
     log = ('time=2026-12-07T12:00:00.000Z level=INFO source=runner.go:1297 msg=load request="{Operation:commit '
            'LoraPath:[] Parallel:2 BatchSize:512 FlashAttention:Enabled KvSize:8192 KvCacheType:q8_0 NumThreads:1 '
@@ -187,7 +187,7 @@ def test_ollamas_own_engine_sizes_gemma3_as_its_log_says(ctx, slots, mib):
     """Ollama 0.24.0 runs gemma3 on its own engine: one causal cache of ctx x slots cells for the 3 global
     layers and an SWA cache for the 15 sliding ones (kvcache/causal.go), 1,024 bytes a cell a layer in
     f16; its log said size="27.0 MiB" at OLLAMA_CONTEXT_LENGTH=384 with 4 slots."""
-    from kvexp.backends.ollama import ENGINE_CACHE
+    from kvexp.backends.ollamacache import ENGINE_CACHE
 
     p = plan_job(GEMMA3_270M, "f16", ENGINE_CACHE, None, prompt_tokens=128, max_tokens=64, levels=[1],
                  context=ctx, parallel=slots)

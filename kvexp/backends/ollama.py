@@ -47,9 +47,8 @@ from kvexp.assets.install import OLLAMA_VERSION, build_ollama, find_ollama
 from kvexp.backends import gguf_tokenizer, openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, answer_json, reported_version)
-from kvexp.backends.llamacpp import CELL_PAD, MIB, check_gguf_model, parse_kv_log
-from kvexp.capacity import gguffile
-from kvexp.capacity.planner import CacheModel
+from kvexp.backends.llamacpp import check_gguf_model
+from kvexp.backends.ollamacache import ENGINE_ARCHS, ENGINE_CACHE, RUNNER_CACHE, gguf_architecture, parse_server_log
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.core.paths import cache_dir, sha256_of
 from kvexp.workload import prompts, scenario
@@ -75,7 +74,6 @@ TAG_PREFIX = "kvexp-"
 # per sequence leaves room for PROMPT_SLACK x the target plus the output and a chat template. The
 # requests send truncate=false, so a prompt that still does not fit fails loudly instead of being
 # cut silently.
-BATCH = 512  # Ollama's default num_batch (llm/server.go: min(NumBatch, NumCtx))
 PROMPT_SLACK = 2.0
 CONTEXT_PAD = 64
 NS = 1e9
@@ -90,55 +88,6 @@ class OllamaConfig(BackendConfig):
     # None: all cores but one, as for llama-server, so that the load generator keeps a core
     threads: Optional[int] = None
 
-
-def default_context_tokens(gpu_gib: Optional[float], model_context_tokens: Optional[int] = None) -> int:
-    """Ollama's default OLLAMA_CONTEXT_LENGTH by VRAM: < 24 GiB 4k, 24-48 GiB 32k, >= 48 GiB 256k
-    (capped at the model's own context where known)."""
-    if gpu_gib is None or gpu_gib < 24:
-        ctx = 4096
-    elif gpu_gib < 48:
-        ctx = 32768
-    else:
-        ctx = 262144
-    return min(ctx, model_context_tokens) if model_context_tokens else ctx
-
-
-def window_cells(window: int, context: int, slots: int, unified: bool) -> int:
-    """The cells Ollama's own engine gives a sliding-window cache (kvcache/causal.go, Causal.Init; gemma3
-    wraps a NewSWACache beside its causal cache): one window per sequence (+1 with several), plus
-    one batch of min(512, context) cells, padded to 256; a window as long as a sequence's context
-    keeps the whole context instead (context x slots, padded)."""
-    keep = window + (1 if slots > 1 else 0)
-    cells = context * slots if keep >= context else slots * keep + min(BATCH, context)
-    return -(-cells // CELL_PAD) * CELL_PAD
-
-
-# Architectures Ollama 0.24.0 runs on its own engine rather than its llama.cpp runner
-# (fs/ggml/ggml.go, KV.OllamaEngineRequired); its cache is sized as ENGINE_CACHE says
-ENGINE_ARCHS = frozenset(("bert", "deepseek2", "deepseekocr", "gemma3", "gemma3n", "gemma4", "gptoss", "gpt-oss",
-                          "laguna", "llama4", "mistral3", "mllama", "nemotron_h", "nemotron_h_moe", "nemotron_h_omni",
-                          "nomic-bert", "olmo3", "qwen25vl", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next",
-                          "qwen3vl", "qwen3vlmoe", "glm4moelite", "glmocr", "lfm2", "lfm2moe"))
-
-
-# The fallbacks Ollama logs when it does not apply OLLAMA_KV_CACHE_TYPE (the runner then uses f16).
-_FALLBACKS = (
-    "quantized kv cache requested but flash attention disabled",
-    "OLLAMA_FLASH_ATTENTION must be enabled to use a quantized OLLAMA_KV_CACHE_TYPE",
-    "unsupported OLLAMA_KV_CACHE_TYPE",
-    "kv cache type not supported by model",
-)
-# llama.cpp before the `llama_kv_cache: size = ...` line (Ollama's cgo runners up to 2025).
-_OLD_SIZE = re.compile(r"KV self size\s*=\s*([\d.]+) MiB, K \((\w+)\):\s*[\d.]+ MiB, V \((\w+)\)")
-_OLD_CELLS = re.compile(r"kv_size = (\d+), type_k = '(\w+)', type_v = '(\w+)'")
-# Ollama >= 0.30 runs llama-server and logs its command line.
-_LAUNCH = re.compile(r'msg="starting llama-server" cmd="([^"]*)"')
-# Ollama's own engine (0.12 - 0.2x) logs the KV size per device, not the type.
-_ENGINE_KV = re.compile(r'msg="kv cache" device=(\S+) size="([\d.]+) (B|KiB|MiB|GiB|TiB)"')
-# Ollama's own engine: the runner's load request states the KV type it was given (empty: f16), the
-# cells (num_ctx x parallel) and the slots (runner/ollamarunner/runner.go)
-_LOAD_REQUEST = re.compile(r'msg=load request="\{[^"]*?Parallel:(\d+)[^"]*?KvSize:(\d+) KvCacheType:(\w*)')
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def parse_ndjson_line(line: bytes) -> Optional[StreamEvent]:
@@ -191,89 +140,6 @@ def _timings(data: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
-    """The KV cache as an Ollama server log states it; dtype stays None unless the log confirms one."""
-    info = parse_kv_log(log_text)  # llama.cpp's size line, printed by the runner Ollama launches
-    if info is not None:
-        info.source = [f"{src}, printed by Ollama's runner" for src in info.source]
-    else:
-        info = _old_llama_lines(log_text)
-    launch = _LAUNCH.findall(log_text)
-    if launch:
-        args = launch[-1].split()
-        seqs = _flag(args, "-np")
-        if info is not None and info.seqs is None and seqs is not None:
-            info.seqs = seqs
-            info.source.append("server log: -np of the llama-server command line")
-        if info is None:
-            k, v = _flag_str(args, "--cache-type-k"), _flag_str(args, "--cache-type-v")
-            # not passed: llama-server's default cache type, f16
-            k, v = k or "f16", v or "f16"
-            ctx = _flag(args, "-c")
-            info = KVCacheInfo(dtype=k if k == v else f"{k}/{v}", dtype_k=k, dtype_v=v,
-                               capacity_tokens=ctx, seqs=seqs,
-                               source=["server log: the llama-server command line Ollama started "
-                                       "(--cache-type-k/-v; f16 when not passed)"])
-    if info is None and (load := _LOAD_REQUEST.findall(log_text)):
-        parallel, cells, kv = load[-1]
-        kv = kv or "f16"
-        info = KVCacheInfo(dtype=kv, dtype_k=kv, dtype_v=kv, capacity_tokens=-(-int(cells) // CELL_PAD) * CELL_PAD,
-                           seqs=int(parallel),
-                           source=["server log: the runner's load request (KvCacheType, empty for f16; KvSize: "
-                                   "num_ctx x parallel cells, which its cache pads to 256; Parallel)"])
-    if info is None:
-        fallback = next((f for f in _FALLBACKS if f in log_text), None)
-        if fallback:
-            info = KVCacheInfo(dtype="f16", dtype_k="f16", dtype_v="f16", source=[
-                f"server log: {fallback!r}: OLLAMA_KV_CACHE_TYPE={requested} was not applied; "
-                "the runner uses its default f16"])
-    if info is None:
-        info = KVCacheInfo(source=[f"requested via OLLAMA_KV_CACHE_TYPE={requested}, not reported by the "
-                                   "server (no KV cache line in its log)"])
-    if info.bytes is None:
-        engine = _engine_kv_bytes(log_text)
-        if engine is not None:
-            info.bytes = engine
-            info.source.append("server log: 'kv cache' size per device (rounded by the server)")
-    return info
-
-
-def _old_llama_lines(log_text: str) -> Optional[KVCacheInfo]:
-    sizes, cells = _OLD_SIZE.findall(log_text), _OLD_CELLS.findall(log_text)
-    if not sizes and not cells:
-        return None
-    info = KVCacheInfo(source=["server log: llama.cpp KV self size / kv_size lines (older runner)"])
-    k = v = None
-    if cells:
-        n, k, v = cells[-1]
-        info.capacity_tokens = int(n)
-    if sizes:
-        size, k, v = sizes[-1]
-        info.bytes = round(float(size) * MIB)
-    info.dtype_k, info.dtype_v = k, v
-    info.dtype = k if k == v else f"{k}/{v}"
-    return info
-
-
-def _engine_kv_bytes(log_text: str) -> Optional[int]:
-    per_device: dict[str, int] = {}
-    for device, num, unit in _ENGINE_KV.findall(log_text):
-        per_device[device] = round(float(num) * _UNITS[unit])  # the last load's figure per device
-    return sum(per_device.values()) if per_device else None
-
-
-def _flag_str(args: list[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(args[:-1]):
-        if a == flag:
-            return args[i + 1]
-    return None
-
-
-def _flag(args: list[str], flag: str) -> Optional[int]:
-    v = _flag_str(args, flag)
-    return int(v) if v is not None and v.isdigit() else None
-
-
 class Ollama(Adapter):
     name = "ollama"
     display_name = "Ollama"
@@ -284,11 +150,7 @@ class Ollama(Adapter):
                                 exact_prompts=False,  # no tokenizer endpoint
                                 offline_tokenizer=True,  # a GGUF kvexp imports (a pulled tag's spec says False)
                                 exposes_kv_usage=False, exposes_preemptions=False, logprobs=False)
-    # cell_pad: the llama.cpp runner's context is rounded up like llama-server's (OLLAMA_CONTEXT_LENGTH=144
-    # with 2 slots: 2 x 256 cells, as its log's llama_kv_cache line says); a model Ollama runs on its own
-    # engine gets ENGINE_CACHE instead (one cache of context x slots cells, its sliding windows sized)
-    cache_model = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
-                             default_context=default_context_tokens)
+    cache_model = RUNNER_CACHE  # ENGINE_CACHE for a model Ollama runs on its own engine (ollamacache.py)
     health_path = "/api/version"
     b: OllamaConfig
 
@@ -310,7 +172,7 @@ class Ollama(Adapter):
                               "file kvexp imports)")
         gguf = model or cfg.model.gguf
         gguf = embedded.gguf_path(gguf) if embedded.is_embedded(gguf) else gguf
-        if tag is None and gguf and _gguf_architecture(Path(gguf).expanduser()) in ENGINE_ARCHS:
+        if tag is None and gguf and gguf_architecture(Path(gguf).expanduser()) in ENGINE_ARCHS:
             self.cache_model = ENGINE_CACHE
         super().__init__(cfg, model, binary)
         self._digest: Optional[str] = None  # of the GGUF kvexp imports, once known
@@ -580,18 +442,6 @@ class Ollama(Adapter):
             out.append({"name": m.get("name") or m.get("model"), "size": _count(m, "size"),
                         "size_vram": _count(m, "size_vram"), "context_length": _count(m, "context_length")})
         return out
-
-
-ENGINE_CACHE = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
-                          default_context=default_context_tokens, window_cells=window_cells, pad_whole=True)
-
-
-def _gguf_architecture(gguf: Path) -> Optional[str]:
-    """general.architecture of a GGUF (its header, read once per file); None where it cannot be read."""
-    try:
-        return str(gguffile.read_header(gguf).metadata.get("general.architecture"))
-    except (OSError, gguffile.GGUFError):
-        return None
 
 
 def models_dir() -> Path:
