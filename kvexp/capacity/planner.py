@@ -471,7 +471,7 @@ def plan_job(arch: ModelArch, kv_dtype: str, cache: CacheModel, gpu_gib: float |
             "capacity_tokens": cap,
             "blocks": None if cap is None or bs is None else cap // bs,
             "kv_cache_bytes": kv_bytes,
-            "window_tokens": win if window is not None else None,
+            "window_tokens": win if window is not None and not paged else None,
             "context_per_slot_tokens": per_slot,
             "predicted_peak_memory_gib": _gib(peak),
             "max_context_that_fits": max_ctx,
