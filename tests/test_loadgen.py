@@ -45,6 +45,9 @@ class Streamer:
     def parse_line(self, line: bytes):
         return openai.parse_sse_line(line)
 
+    def unfinished_stream(self, repeats: int):
+        return f"{repeats} repeats" if repeats else None
+
 
 class FakeServer:
     """aiohttp server: POST /v1/completions streams `pieces` (bytes; a float: sleep that long; a function:
@@ -148,6 +151,17 @@ def test_failures_are_recorded_not_raised(pieces, kind, text):
     rec = asyncio.run(send_one(FakeServer(pieces), stall_s=0.5))
     assert rec.error_kind == kind and text in rec.error
     assert rec.done_s is not None
+
+
+def test_a_stream_cut_off_after_one_token_over_and_over_says_so():
+    """A server's repetition cut-off (Ollama ends a reply with no final object once a token repeats more
+    than 30 times): the adapter is told how often the last token came again in a row."""
+    rec = asyncio.run(send_one(FakeServer([token(0), *[token(1)] * 31])))
+    assert rec.error == "stream ended before its final event: 30 repeats"
+    from kvexp.backends.ollama import Ollama
+
+    assert "token repeat limit" in Ollama.unfinished_stream(None, 30)  # type: ignore[arg-type]
+    assert Ollama.unfinished_stream(None, 29) is None  # type: ignore[arg-type]
 
 
 def test_http_error_status():

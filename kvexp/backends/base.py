@@ -467,6 +467,11 @@ class Adapter:
         """Why the KV cache the server reports contradicts the spec beyond its dtype (None: it does not)."""
         return None
 
+    def unfinished_stream(self, repeats: int) -> Optional[str]:
+        """Why a stream ended without its final event, where the server's own rules say (repeats: how
+        many times in a row the last output token's text came again); None: the server does not say."""
+        return None
+
     # ---- the server's own view of a level, beside the client's
     server_timing_source: ClassVar[str] = "per-request timings"
 

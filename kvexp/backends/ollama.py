@@ -77,6 +77,7 @@ TAG_PREFIX = "kvexp-"
 PROMPT_SLACK = 2.0
 CONTEXT_PAD = 64
 NS = 1e9
+REPEAT_LIMIT = 30  # llm/server.go: a reply stops once tokenRepeat > 30
 
 
 @dataclass
@@ -300,6 +301,15 @@ class Ollama(Adapter):
 
     def parse_line(self, line: bytes) -> Optional[StreamEvent]:
         return parse_ndjson_line(line)
+
+    def unfinished_stream(self, repeats: int) -> Optional[str]:
+        """Ollama ends a reply without its final object, and logs it only at debug level, once the same
+        token text has come REPEAT_LIMIT + 1 times in a row (llm/server.go, Completion: "prediction
+        aborted, token repeat limit reached")."""
+        if repeats < REPEAT_LIMIT:
+            return None
+        return (f"the same token came {repeats + 1} times in a row and Ollama stops a reply at the next one "
+                "(its token repeat limit, llm/server.go): the model looped at temperature 0")
 
     async def version(self, session: aiohttp.ClientSession) -> Optional[str]:
         return await reported_version(session, self.base_url + "/api/version", "version")

@@ -32,6 +32,11 @@ class Streamer(Protocol):
 
     def parse_line(self, line: bytes) -> Optional[StreamEvent]: ...
 
+    def unfinished_stream(self, repeats: int) -> Optional[str]:
+        """Why a stream that ended without its final event ended, where the server's own rules say
+        (repeats: how many times in a row the last output token's text came again); None: unknown."""
+        ...
+
 
 class Observer(Protocol):
     """Progress hooks. request_done is called once per finished request, on the event loop that

@@ -112,6 +112,7 @@ class LoadGenerator:
         saw_done = False
         times = rec.token_times_s
         keep = rec.text
+        repeats, last = 0, None  # how often the last output token's text came again in a row
         wrote: list[float] = []  # TimedRequest notes when the request went out
         token = SENT_AT.set(wrote)
         rec.sent_s = perf() - origin
@@ -152,6 +153,8 @@ class LoadGenerator:
                                 if rec.first_token_s is None:
                                     rec.first_token_s = t
                                 times.append(t)
+                                piece = ev.text.strip()
+                                repeats, last = (repeats + 1, last) if piece == last else (0, piece)
                                 if keep is not None:
                                     keep.append(ev.text)
                             if ev.prompt_tokens is not None:
@@ -167,7 +170,9 @@ class LoadGenerator:
                         if rec.error_kind is not None or not chunk:
                             break
                     if rec.error_kind is None and not saw_done:
-                        rec.error_kind, rec.error = "protocol", "stream ended before its final event"
+                        why = self.streamer.unfinished_stream(repeats)
+                        rec.error_kind, rec.error = "protocol", "stream ended before its final event" + (
+                            f": {why}" if why else "")
         except asyncio.TimeoutError:
             rec.error_kind, rec.error = "timeout", "no response bytes within the stall or total timeout"
         except aiohttp.ClientPayloadError as e:
