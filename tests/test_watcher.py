@@ -105,7 +105,7 @@ def test_cleanup_finds_what_is_left_by_the_recorded_session_when_the_watcher_is_
         assert kvexp_main("cleanup", "--dry-run") == 0 and len(survivors(procs[1:])) == 2
         listed = capsys.readouterr().out
         assert listed.startswith(f"kvexp cleanup: left running: sh (pid {info['pid']}, started ")
-        assert all(f" {p.pid}" in listed for p in left)
+        assert all(f"(pid {p.pid})" in listed for p in left)
         assert kvexp_main("cleanup") == 0
         assert "kvexp cleanup: stopped sh" in capsys.readouterr().out
         assert not wait_gone(procs)

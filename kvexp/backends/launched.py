@@ -107,6 +107,7 @@ class Watcher:
 
     proc: subprocess.Popen
     pipe: Optional[int]
+    start: int  # the server's start time in clock ticks (watcher.start_ticks)
 
     def release(self) -> bool:
         """The server has been stopped: close the pipe, so that the watcher sweeps what the server left and
@@ -139,7 +140,7 @@ def watch(pid: int, scratch: Optional[Path], log: Optional[IO[bytes]] = None) ->
         return None
     finally:
         os.close(read)
-    return Watcher(proc, write)
+    return Watcher(proc, write, start)
 
 
 @dataclass
@@ -171,9 +172,9 @@ class Record:
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         prog = Path(self.argv[0]).name if self.argv else "?"
-        left = [f"{_name(p)} {p}" for p in sorted(self.processes())]
-        return (f"{prog} (pid {self.pid}, started {when} by kvexp pid {self.kvexp_pid}, which has ended; "
-                f"left: {', '.join(left) or 'none'})")
+        left = [f"{_name(p)} (pid {p})" for p in sorted(self.processes())]
+        return (f"{prog} (pid {self.pid}, started {when} by kvexp pid {self.kvexp_pid}, which has ended"
+                + (f"; its processes left: {', '.join(left)})" if left else ")"))
 
 
 def _name(pid: int) -> str:

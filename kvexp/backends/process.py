@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -25,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvexp.backends import launched
-from kvexp.backends.base import BackendError
+from kvexp.backends import launched, watcher
+from kvexp.backends.base import SCRATCH, BackendError
 
 _LIVE: set["ServerProcess"] = set()
 # SIGHUP (a closed terminal or ssh session) ends kvexp like Ctrl-C: servers stopped, results kept
@@ -88,15 +89,18 @@ class ServerProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # the server's temporary files (vLLM's IPC sockets, its metrics folder) go in a scratch folder of
-        # kvexp's, removed with the server (kvexp/backends/launched.py)
+        # the server's temporary files go in a scratch folder of kvexp's (its TMPDIR unless the adapter
+        # says otherwise; SCRATCH in its env names it), removed with the server (kvexp/backends/launched.py)
         self.scratch = launched.scratch_dir()
+        if "TMPDIR" in self.env:  # one that does not exist sends a Python server's temporary files to /tmp
+            Path(self.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**{k: v for k, v in os.environ.items() if k not in self.unset},
-                     **({"TMPDIR": str(self.scratch)} if self.scratch else {}), **self.env},
+                     **({"TMPDIR": str(self.scratch)} if self.scratch else {}),
+                     **{k: v.replace(SCRATCH, str(self.scratch or tempfile.gettempdir())) for k, v in self.env.items()}},
                 start_new_session=True,  # dies with kvexp, on its CPUs (kvexp/backends/launched.py)
                 preexec_fn=launched.preexec(self.cpus),
             )
@@ -164,7 +168,10 @@ class ServerProcess:
                 p.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-        # the group may hold children even after the leader exited
+        # the group may hold children even after the leader exited; those that end by themselves once it
+        # has (vLLM's resource tracker, unlinking the shared memory its processes leave) get a moment
+        if p.returncode is not None and self.watcher is not None:
+            watcher.settle(p.pid, self.watcher.start, launched.WATCHER_GRACE_S)
         _signal_group(p.pid, signal.SIGKILL)
         try:
             p.wait(timeout=5)

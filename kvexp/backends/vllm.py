@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvexp.assets import embedded
 from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
-from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
+from kvexp.backends.base import (PORT, SCRATCH, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
@@ -115,10 +115,13 @@ def _token_id(t: str) -> int:
 def own_folders() -> dict[str, str]:
     """vLLM's folders under kvexp's cache, not ~/.cache/vllm and ~/.config/vllm (vllm/envs.py: the assets
     and XLA caches derive from XDG_CACHE_HOME, not VLLM_CACHE_ROOT, so each is named). Its IPC sockets
-    (VLLM_RPC_BASE_PATH) and temporary folders follow TMPDIR: the server's scratch folder (launched.py)."""
+    (VLLM_RPC_BASE_PATH, /tmp/<uuid> by default, one left after every run) go in the server's scratch
+    folder, removed with it; its other temporary files in a TMPDIR that stays, since torch keeps its
+    compiled kernels and precompiled headers there (torchinductor_<user>) for the next start."""
     root = cache_dir() / "vllm"
     return {"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_CONFIG_ROOT": str(root / "config"),
-            "VLLM_ASSETS_CACHE": str(root / "cache" / "assets"), "VLLM_XLA_CACHE_PATH": str(root / "cache" / "xla")}
+            "VLLM_ASSETS_CACHE": str(root / "cache" / "assets"), "VLLM_XLA_CACHE_PATH": str(root / "cache" / "xla"),
+            "TMPDIR": str(root / "tmp"), "VLLM_RPC_BASE_PATH": SCRATCH}
 
 
 def cpu_fp8_kv_supported(cpuinfo: str) -> bool:

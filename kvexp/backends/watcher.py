@@ -8,7 +8,8 @@ a session of its own (a terminal's signals do not reach it), with the read end o
 end kvexp holds. The pipe closes when kvexp ends, or when kvexp stops the server; either way the watcher
 then sweeps: every process of the server's session and process group, and every descendant of the server
 it saw while it watched (one that left the session with setsid), gets SIGTERM (and SIGCONT), then after
-a grace SIGKILL; then it removes the server's scratch folder and its launch record, and exits.
+a grace SIGKILL (a process that ignores SIGTERM, as vLLM's resource tracker does, first gets a grace of
+its own to end once the others have, unlinking their shared memory); then it removes the server's scratch folder and its launch record, and exits.
 
 Run as a script (`python -I -S watcher.py PID START GRACE SCRATCH RECORD`, the pipe on its stdin), it
 imports the standard library only, so that it starts in milliseconds. kvexp itself imports the /proc
@@ -91,9 +92,27 @@ def note_descendants(roots: Iterable[int], seen: dict[int, int]) -> None:
                 todo.append(child)
 
 
+def ignores_sigterm(pid: int) -> bool:
+    """Whether the process ignores SIGTERM (/proc/PID/status SigIgn), as a multiprocessing resource tracker
+    does: it ends by itself once the processes it serves have, after unlinking the shared memory they left."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+        return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+
+
+def _wait(targets: dict[int, int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p, s) for p, s in targets.items()):
+        time.sleep(0.05)
+
+
 def sweep(pid: int, start: int, grace_s: float, seen: dict[int, int]) -> bool:
     """End every process of the server's session and group and every descendant seen: SIGTERM and
-    SIGCONT, up to grace_s for them to end, then SIGKILL. True when none is left."""
+    SIGCONT, up to grace_s for them to end, then SIGKILL; a process that ignores SIGTERM gets up to grace_s
+    more once the others are gone, to end by itself (ignores_sigterm). True when none is left."""
     for _ in range(SWEEP_ROUNDS):
         targets = {**{p: s for p, s in seen.items() if alive(p, s)}, **members(pid, pid, start)}
         note_descendants(targets, targets)
@@ -101,15 +120,22 @@ def sweep(pid: int, start: int, grace_s: float, seen: dict[int, int]) -> bool:
             return True
         for sig in (signal.SIGTERM, signal.SIGCONT):
             _signal(targets, sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(p, s) for p, s in targets.items()):
-            time.sleep(0.05)
+        _wait(targets, grace_s)
+        patient = {p: s for p, s in targets.items() if ignores_sigterm(p)}
+        _signal({p: s for p, s in targets.items() if p not in patient}, signal.SIGKILL)
+        _wait({p: s for p, s in targets.items() if p not in patient}, 5)
+        _wait(patient, grace_s)
         _signal(targets, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(alive(p, s) for p, s in targets.items()):
-            time.sleep(0.05)
+        _wait(targets, 5)
         seen.update(targets)
     return not members(pid, pid, start) and not any(alive(p, s) for p, s in seen.items())
+
+
+def settle(pid: int, start: int, timeout_s: float) -> None:
+    """Up to timeout_s for the processes of a stopped server's session and group to end by themselves."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and members(pid, pid, start):
+        time.sleep(0.05)
 
 
 def _signal(targets: dict[int, int], sig: int) -> None:
