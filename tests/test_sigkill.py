@@ -12,7 +12,6 @@ be gone at the end."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from pathlib import Path
