@@ -20,6 +20,7 @@ from kvexp.backends.base import BackendError
 from kvexp.backends.ollama import Ollama, OllamaConfig, models_dir, parse_ndjson_line
 from kvexp.backends.ollamacache import parse_server_log
 from kvexp.backends.process import ServerProcess, free_port
+from kvexp.core.paths import cache_dir
 from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.measure.client import make_session
 from kvexp.measure.loadgen import LoadGenerator
@@ -129,7 +130,7 @@ def test_launch_env_per_kv_type(kv):
     env = b.launch_env(18080)
     assert env == {"OLLAMA_HOST": "127.0.0.1:18080", "OLLAMA_KV_CACHE_TYPE": kv, "OLLAMA_FLASH_ATTENTION": "1",
                    "OLLAMA_NUM_PARALLEL": "4", "OLLAMA_CONTEXT_LENGTH": str(2 * 32 + 8 + 64),
-                   "OLLAMA_MODELS": "/models"}
+                   "OLLAMA_MODELS": "/models", "OLLAMA_NO_CLOUD": "1", "HOME": str(cache_dir() / "ollama" / "home")}
     assert b.name == "ollama" and b.capabilities.forces_output_length is False and b.capabilities.exact_prompts is False
 
 
@@ -171,7 +172,9 @@ def test_a_gguf_without_a_tag_is_imported_into_kvexps_models_folder(tmp_path):
     _, own = make_cfg(tag=None, gguf=str(gguf), env={"OLLAMA_MODELS": "/models"})
     assert own.launch_env(18080)["OLLAMA_MODELS"] == "/models"  # the user's folder wins
     _, tagged = make_cfg(tag="qwen2.5:7b", gguf=str(gguf))  # a tag: served as pulled, the user's folder
-    assert tagged.imports is None and tagged.model_tag == "qwen2.5:7b" and "OLLAMA_MODELS" not in tagged.launch_env(1)
+    assert tagged.imports is None and tagged.model_tag == "qwen2.5:7b"
+    # named, since HOME is kvexp's: the user's OLLAMA_MODELS, else the folder under the user's own home
+    assert tagged.launch_env(1)["OLLAMA_MODELS"] == os.environ.get("OLLAMA_MODELS", str(Path.home() / ".ollama/models"))
     with pytest.raises(ConfigError, match="an attached Ollama server .* serves a tag it has"):
         make_cfg(tag=None, gguf=str(gguf), endpoint="http://127.0.0.1:11434")
 

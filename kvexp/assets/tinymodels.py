@@ -202,9 +202,10 @@ def _ensure_hf(python: Path | str, path: Path, model: dict) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.scratch", dir=path.parent))  # torch's temporary files
     try:
         spec = json.dumps({**model, "chat_template": CHATML})
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(scratch)}
         r = subprocess.run([str(python), "-c", _TINY_HF_SCRIPT, str(tmp), spec], env=env,
                            stdin=subprocess.DEVNULL, capture_output=True, text=True)
         if r.returncode != 0:
@@ -218,6 +219,7 @@ def _ensure_hf(python: Path | str, path: Path, model: dict) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return path
 
 

@@ -120,6 +120,7 @@ def connector(limit: Optional[int] = None) -> aiohttp.TCPConnector:
 
 
 PORT = "{port}"  # stands for the port in a ServerSpec's argv and environment until launch
+SCRATCH = "{scratch}"  # stands for the server's scratch folder in its environment (made at launch, process.py)
 
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -266,7 +267,7 @@ class Ollama(Adapter):
             "OLLAMA_NUM_PARALLEL": str(slots),
             "OLLAMA_CONTEXT_LENGTH": str(context),
             "OLLAMA_HOST": _host_port(b.host, b.port or PORT),  # type: ignore[arg-type]
-            **({"OLLAMA_MODELS": str(models_dir())} if self.imports else {}),
+            **own_folders(self.imports),
             **b.env,
         }
         argv = [self.program or "ollama", "serve", *b.extra_args]
@@ -457,6 +458,15 @@ class Ollama(Adapter):
 def models_dir() -> Path:
     """The models folder of the servers kvexp launches to serve a GGUF it imports."""
     return cache_dir() / "ollama" / "models"
+
+
+def own_folders(imports: bool) -> dict[str, str]:
+    """A launched Ollama keeps to kvexp's folders and off the network: HOME is kvexp's (`serve` writes its key
+    pair to $HOME/.ollama, cmd.initializeKeypair), its cloud is off (OLLAMA_NO_CLOUD=1: no remote models, no
+    fetch of model recommendations at start; v0.24.0's `serve` has no update check), and its models folder is
+    kvexp's for an imported GGUF, else the user's own (OLLAMA_MODELS, else ~/.ollama/models)."""
+    models = models_dir() if imports else Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
+    return {"HOME": str(cache_dir() / "ollama" / "home"), "OLLAMA_NO_CLOUD": "1", "OLLAMA_MODELS": str(models)}
 
 
 def _digest(gguf: Path) -> str:

@@ -1,6 +1,7 @@
 """Launch, readiness, logging and shutdown of a server process; shared by every backend.
 
-The server runs in its own process group with stdout/stderr going to a log file. Readiness is polled
+The server runs in its own session and process group with stdout/stderr going to a log file, watched by
+a small process that ends the whole session when kvexp ends (kvexp/backends/watcher.py). Readiness is polled
 against a deadline while watching for early exit (the error quotes the log's last lines). Stopping
 sends SIGTERM to the whole group, waits a grace period, then SIGKILLs it. Every live server is also
 registered for an atexit/signal sweep, so none outlives kvexp: `raise_on_signals()` turns SIGINT,
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -24,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvexp.backends import launched
-from kvexp.backends.base import BackendError
+from kvexp.backends import launched, watcher
+from kvexp.backends.base import SCRATCH, BackendError
 
 _LIVE: set["ServerProcess"] = set()
 # SIGHUP (a closed terminal or ssh session) ends kvexp like Ctrl-C: servers stopped, results kept
@@ -78,6 +80,8 @@ class ServerProcess:
         self.grace_s = grace_s  # SIGTERM -> SIGKILL
         self.cpus = cpus  # None: wherever kvexp may run (kvexp/core/placement.py)
         self.proc: Optional[subprocess.Popen] = None
+        self.watcher: Optional[launched.Watcher] = None  # ends the server's processes when kvexp ends
+        self.scratch: Optional[Path] = None
 
     @property
     def pid(self) -> Optional[int]:
@@ -85,22 +89,32 @@ class ServerProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # the server's temporary files go in a scratch folder of kvexp's (its TMPDIR unless the adapter
+        # says otherwise; SCRATCH in its env names it), removed with the server (kvexp/backends/launched.py)
+        self.scratch = launched.scratch_dir()
+        if "TMPDIR" in self.env:  # one that does not exist sends a Python server's temporary files to /tmp
+            Path(self.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**{k: v for k, v in os.environ.items() if k not in self.unset}, **self.env},
+                env={**{k: v for k, v in os.environ.items() if k not in self.unset},
+                     **({"TMPDIR": str(self.scratch)} if self.scratch else {}),
+                     **{k: v.replace(SCRATCH, str(self.scratch or tempfile.gettempdir())) for k, v in self.env.items()}},
                 start_new_session=True,  # dies with kvexp, on its CPUs (kvexp/backends/launched.py)
                 preexec_fn=launched.preexec(self.cpus),
             )
             _LIVE.add(self)
-            launched.remember(self.proc.pid, self.argv)
+            self.watcher = launched.watch(self.proc.pid, self.scratch, log)
         except OSError as e:
+            launched.remove_scratch(self.scratch)
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]}: {e.strerror}") from None
         except subprocess.SubprocessError as e:  # the preexec_fn failed: CPUs this process may not use
+            launched.remove_scratch(self.scratch)
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]} on CPUs {self.cpus}: {e}") from None
         finally:
             log.close()
+        launched.remember(self.proc.pid, self.argv, self.scratch, self.watcher)
 
     def exited(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None
@@ -154,7 +168,10 @@ class ServerProcess:
                 p.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
-        # the group may hold children even after the leader exited
+        # the group may hold children even after the leader exited; those that end by themselves once it
+        # has (vLLM's resource tracker, unlinking the shared memory its processes leave) get a moment
+        if p.returncode is not None and self.watcher is not None:
+            watcher.settle(p.pid, self.watcher.start, launched.WATCHER_GRACE_S)
         _signal_group(p.pid, signal.SIGKILL)
         try:
             p.wait(timeout=5)
@@ -162,7 +179,11 @@ class ServerProcess:
             pass
         _LIVE.discard(self)
         if p.returncode is not None:
-            launched.forget(p.pid)
+            # the watcher sweeps what the group left (a child that left the group or the session), then
+            # removes the scratch folder and the record
+            if self.watcher is None or self.watcher.release():
+                launched.remove_scratch(self.scratch)
+                launched.forget(p.pid)
         return p.returncode
 
 

@@ -27,11 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvexp.assets import embedded
 from kvexp.assets.install import install_vllm, vllm_python
 from kvexp.backends import openai
-from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
+from kvexp.backends.base import (PORT, SCRATCH, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import CacheModel
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig
+from kvexp.core.paths import cache_dir
 from kvexp.workload import scenario
 
 KV_LINE = re.compile(
@@ -111,6 +112,18 @@ def parse_kv_log(log_text: str) -> Optional[KVCacheInfo]:
 def _token_id(t: str) -> int:
     """vLLM's token strings with return_tokens_as_token_ids: 'token_id:123'."""
     return int(str(t).rsplit(":", 1)[-1])
+
+
+def own_folders() -> dict[str, str]:
+    """vLLM's folders under kvexp's cache, not ~/.cache/vllm and ~/.config/vllm (vllm/envs.py: the assets
+    and XLA caches derive from XDG_CACHE_HOME, not VLLM_CACHE_ROOT, so each is named). Its IPC sockets
+    (VLLM_RPC_BASE_PATH, /tmp/<uuid> by default, one left after every run) go in the server's scratch
+    folder, removed with it; its other temporary files in a TMPDIR that stays, since torch keeps its
+    compiled kernels and precompiled headers there (torchinductor_<user>) for the next start."""
+    root = cache_dir() / "vllm"
+    return {"VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_CONFIG_ROOT": str(root / "config"),
+            "VLLM_ASSETS_CACHE": str(root / "cache" / "assets"), "VLLM_XLA_CACHE_PATH": str(root / "cache" / "xla"),
+            "TMPDIR": str(root / "tmp"), "VLLM_RPC_BASE_PATH": SCRATCH}
 
 
 def cpu_fp8_kv_supported(cpuinfo: str) -> bool:
@@ -348,7 +361,7 @@ class VLLM(Adapter):
         if hub is not None:
             sources["model_download"] = f"model.hf={hub}: not in the local Hugging Face cache, downloaded at start"
         env = {**({} if hub else {"HF_HUB_OFFLINE": "1"}), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-               **b.env}
+               **own_folders(), **b.env}
         if cpu and self.placement.server_cpus:  # split on the CPU build: its OpenMP threads on the server's CPUs
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, self.placement.server_cpus)))
         if scenario.resets_cache(s):  # /reset_prefix_cache is served in development mode only
