@@ -1,7 +1,8 @@
 """The real Ollama server (built from its Go module by `python -m kvexp install ollama`), launched by kvexp
-with the job's GGUF imported: each KV type applied as the server's own log states it, the KV cache the
-planner predicts, token counts equal to the server's eval_count, the client's TPOT beside the server's
-eval_duration on the real model, and no server left after SIGINT or a killed server.
+with the job's GGUF imported: each KV type applied as the server's own log states it, its KV cache
+consistent with kvexp's planner (consistency between two parts of kvexp, not truth), token counts
+equal to the server's eval_count, the client's TPOT beside the server's eval_duration on the real model,
+and no server left after SIGINT or a killed server.
 
 The fake Ollama (tests/fake_ollama.py) stays for what a real server cannot be made to do on demand:
 malformed streams, stalls, mid-stream errors."""
@@ -46,7 +47,7 @@ def sweep(ollama, tmp_path_factory):
     return folder
 
 
-def test_each_kv_type_is_the_one_the_server_applied_and_sized_as_planned(sweep):
+def test_each_kv_type_is_the_one_the_server_applied_and_consistent_with_the_plan(sweep):
     results = jobs(sweep)
     assert [r["kv"]["requested"] for r in results.values()] == list(KV)
     for r in results.values():

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from conftest import with_tiny
+from conftest import missing, with_tiny
 
 from kvexp.results.validate import check_file
 
@@ -52,9 +52,7 @@ def cluster():
     if gone or os.geteuid() != 0:
         why = (f"{', '.join(gone)} missing (apt-get install {slurm_cluster.PACKAGES})" if gone
                else "the one-node Slurm cluster runs its daemons as root")
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm test cluster in CI: {why}; .ci/run must install them")
-        pytest.skip(f"Slurm test cluster: {why}")
+        missing(f"the Slurm test cluster ({why})", "install them")
     with slurm_cluster.SlurmCluster() as c:
         yield c
 
