@@ -439,3 +439,17 @@ def test_fake_reads_ollama_env_like_ollama():
     assert fake_ollama.parse_host("[::1]:8080") == ("::1", 8080)
     assert fake_ollama.parse_bool("false") is False and fake_ollama.parse_bool(None) is None
     assert os.access(FAKE, os.R_OK)
+
+
+def test_a_runner_lost_mid_level_is_read_from_the_servers_own_lines():
+    """Lines Ollama 0.24.0 wrote when its runner was killed mid-level (kill -9) and it loaded the model
+    again; a level's log without them loses nothing."""
+    _, b = make_cfg("f16")
+    gone = ('time=2026-12-07T12:52:43.855Z level=WARN source=server.go:1305 msg="llama runner process no longer '
+            'running" sys=9 string="signal: killed"\n')
+    again = ('time=2026-12-07T12:52:43.867Z level=INFO source=server.go:433 msg="starting runner" '
+             'cmd="/root/.cache/kvexp/bin/ollama-0.24.0-b1 runner --model /m/blobs/sha256-2dfa --port 43849"\n')
+    assert b.model_lost(gone + again) == ('Ollama\'s runner died ("llama runner process no longer running", '
+                                          'signal: killed) and the model was loaded again')
+    assert b.model_lost(again) == "Ollama started its model runner again (the model was loaded again)"
+    assert b.model_lost('time=... level=INFO source=routes.go:1 msg="request" status=200\n') is None

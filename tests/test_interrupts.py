@@ -199,6 +199,23 @@ def test_sigterm_mid_level(tmp_path, env, then_ctrl_c):
     assert (r["status"], r["status_reason"]) == ("partial", "interrupted by SIGTERM after 0 level(s)")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2])
+def test_signals_whose_default_would_kill_kvexp_silently_end_it_like_sigterm(tmp_path, env, sig):
+    """SIGQUIT (Ctrl-\\) and SIGUSR1/2 kept their default action: kvexp ended without a word, its result
+    unfinished. Now each ends it as SIGTERM does: servers stopped, what was measured saved, one line."""
+    fake = fake_openai.wrapper(tmp_path)
+    k = Kvexp([f"backend.binary={fake}", "backend.extra_args=[--fault,stall,--fault-after,3]",
+               "scenario.stall_timeout_s=86400"], tmp_path, env, server="fake_openai")
+    k.wait_for("level 1: 8 requests")
+    k.proc.send_signal(sig)
+    assert k.finish() == 128 + sig, k.output[-3000:]
+    assert k.output.count(f"interrupted by {sig.name}") == 1 and "Traceback" not in k.output
+    assert len(k.seen) == 1 and not k.survivors()
+    (run,) = (tmp_path / "outputs" / "runs").iterdir()
+    r = load_document(run / "result.json")[1]
+    assert (r["status"], r["status_reason"]) == ("partial", f"interrupted by {sig.name} after 0 level(s)")
+
+
 def test_exception_in_kvexp(llama_server, tmp_path, env):
     code = ("import sys, kvexp.measure.runner as r\n"
             "def boom(*a, **k): raise ZeroDivisionError('boom')\n"

@@ -123,6 +123,9 @@ _LAUNCH = re.compile(r'msg="starting llama-server" cmd="([^"]*)"')
 _ENGINE_KV = re.compile(r'msg="kv cache" device=(\S+) size="([\d.]+) (B|KiB|MiB|GiB|TiB)"')
 # Ollama's own engine: the runner's load request states the KV type it was given (empty: f16), the
 # cells (num_ctx x parallel) and the slots (runner/ollamarunner/runner.go)
+# The scheduler's words when its runner dies (e.g. `kill -9`): it loads the model again for the next request
+_RUNNER_GONE = re.compile(r'msg="(llama runner process no longer running)"[^\n]*?string="([^"]*)"')
+_RUNNER_START = re.compile(r'msg="starting runner" cmd="[^"]*--model ')
 _LOAD_REQUEST = re.compile(r'msg=load request="\{[^"]*?Parallel:(\d+)[^"]*?KvSize:(\d+) KvCacheType:(\w*)')
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -464,6 +467,12 @@ class Ollama(Adapter):
 
     def log_states_kv(self, log_text: str) -> bool:
         return LOADED_LINE in log_text
+
+    def model_lost(self, log_part: str) -> Optional[str]:
+        if m := _RUNNER_GONE.search(log_part):
+            return f'Ollama\'s runner died ("{m[1]}", {m[2]}) and the model was loaded again'
+        return ("Ollama started its model runner again (the model was loaded again)"
+                if _RUNNER_START.search(log_part) else None)
 
     async def preload(self, session: aiohttp.ClientSession) -> bool:
         """Load the model (an empty prompt, as Ollama documents) so that the load lands neither in
