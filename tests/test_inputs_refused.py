@@ -136,3 +136,43 @@ def test_a_cache_that_is_a_file_is_named_as_such(tmp_path):
         p = kvexp(args, tmp_path, KVEXP_CACHE=str(cache))
         assert (p.returncode, p.stderr) == (1, want), args
     assert not (tmp_path / "run").exists()
+
+
+BLOCK = """\
+import sys
+
+
+class _Absent:  # the `cluster` extra not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "submitit" or name.startswith("hydra_plugins.hydra_submitit_launcher"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "kvexp_slurm", "submitit_local"])
+def test_a_cluster_launcher_without_the_cluster_extra_is_one_line(tmp_path, launcher):
+    """It was Hydra's 25-line "Unknown plugin class" traceback."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK)
+    p = kvexp(["-m", f"hydra/launcher={launcher}", *TINY, "kv=fp16,q8_0", f"hydra.sweep.dir={tmp_path}/sweep"],
+              tmp_path, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}")
+    assert (p.returncode, p.stderr) == (1, f"kvexp: hydra/launcher={launcher}: needs kvexp's cluster extra "
+                                           "(hydra-submitit-launcher, submitit): pip install 'kvexp[cluster]'\n")
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "kvexp_slurm"])
+def test_a_slurm_launcher_where_slurm_is_not_is_one_line(tmp_path, launcher):
+    """No sbatch or srun on PATH (a laptop, a node without Slurm's client): it was submitit's traceback."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    p = kvexp(["-m", f"hydra/launcher={launcher}", *TINY, "kv=fp16,q8_0", f"hydra.sweep.dir={tmp_path}/sweep"],
+              tmp_path, PATH=str(bare))
+    assert (p.returncode, p.stderr) == (1, f"kvexp: hydra/launcher={launcher}: sbatch and srun not found on PATH: "
+                                           "submit from a machine of a Slurm cluster (a login node), or run the "
+                                           "jobs here with hydra/launcher=submitit_local\n")
+    assert not (tmp_path / "sweep").exists()
