@@ -2,6 +2,8 @@ import os
 import signal
 import sys
 
+from kvexp import _ENDING as _HANDLED  # SIGINT, TERM, HUP, QUIT, USR1, USR2
+
 
 def _loading(signum: int, frame: object) -> None:
     for sig in _HANDLED:  # the first signal decides the line and the exit status
@@ -11,9 +13,6 @@ def _loading(signum: int, frame: object) -> None:
 
 def _later(signum: int, frame: object) -> None:
     """A signal after the one that ends kvexp: nothing."""
-
-
-_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 if __name__ == "__main__":  # a spawned worker process imports this module too

@@ -29,13 +29,43 @@ def reference_path() -> Path:
     return local if local.is_file() else REFERENCE
 
 
+# A skip whose reason starts with this names a condition CI cannot meet (no GPU, no AVX-512, one CPU);
+# under CI (.ci/run sets it) every other skip, importorskip and skipif included, is a failure.
+HARDWARE = "hardware: "
+
+
+def hardware_skip(reason: str) -> None:
+    """Skip for something CI's machine cannot have (its hardware), in CI too."""
+    pytest.skip(HARDWARE + reason)
+
+
+def missing(what: str, how: str) -> None:
+    """A part CI installs is missing: a skip here, a failure in CI, whose .ci/run must provide it."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing in CI: .ci/run must {how}", pytrace=False)
+    pytest.skip(f"{what} is missing: {how}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI a skip that does not name a hardware condition fails: a missing server, library or tool
+    must not turn into a green run."""
+    report = (yield).get_result()
+    if not (os.environ.get("CI") and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if reason.startswith("Skipped: "):
+        reason = reason[len("Skipped: "):]
+    if not reason.startswith(HARDWARE):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every part must be present: {reason}"
+
+
 def installed(found: Path | None, program: str, backend: str) -> Path:
     """A server program kvexp installs: skipped where it is missing, but a failure in CI, whose .ci/run
     must install it."""
     if found is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{program} is missing in CI: .ci/run must run `python -m kvexp install {backend}`")
-        pytest.skip(f"{program} not installed: run `python -m kvexp install {backend}`")
+        missing(program, f"run `python -m kvexp install {backend}`")
     return found
 
 

@@ -332,7 +332,8 @@ def test_num_parallel_1_queues_requests(tmp_path):
     # token well before the last, which the fake sends 7 token gaps later
     ttft_ms, gap_ms = float(env["FAKE_OLLAMA_TTFT_S"]) * 1000, float(env["FAKE_OLLAMA_TOKEN_GAP_S"]) * 1000
     assert ttft_ms <= c1["ttft_p50_ms"] < c1["e2e_p50_ms"] - 7 * gap_ms / 2
-    assert 0.8 < c4["throughput_tok_s"] / c1["throughput_tok_s"] < 1.25
+    # one slot: four in flight gain nothing over one (a server serving them side by side would near 4x)
+    assert c4["throughput_tok_s"] < 2 * c1["throughput_tok_s"]
     assert c4["ttft_p50_ms"] > 2 * c1["ttft_p50_ms"]  # queued behind the one slot
     assert state["max_in_flight"] == 1 and state["loads"] == 1  # num_ctx matched: no reload
     assert state["effective"]["num_parallel"] == 1
@@ -458,3 +459,17 @@ def test_fake_reads_ollama_env_like_ollama():
     assert fake_ollama.parse_host("[::1]:8080") == ("::1", 8080)
     assert fake_ollama.parse_bool("false") is False and fake_ollama.parse_bool(None) is None
     assert os.access(FAKE, os.R_OK)
+
+
+def test_a_runner_lost_mid_level_is_read_from_the_servers_own_lines():
+    """Lines Ollama 0.24.0 wrote when its runner was killed mid-level (kill -9) and it loaded the model
+    again; a level's log without them loses nothing."""
+    _, b = make_cfg("f16")
+    gone = ('time=2026-12-07T12:52:43.855Z level=WARN source=server.go:1305 msg="llama runner process no longer '
+            'running" sys=9 string="signal: killed"\n')
+    again = ('time=2026-12-07T12:52:43.867Z level=INFO source=server.go:433 msg="starting runner" '
+             'cmd="/root/.cache/kvexp/bin/ollama-0.24.0-b1 runner --model /m/blobs/sha256-2dfa --port 43849"\n')
+    assert b.model_lost(gone + again) == ('Ollama\'s runner died ("llama runner process no longer running", '
+                                          'signal: killed) and the model was loaded again')
+    assert b.model_lost(again) == "Ollama started its model runner again (the model was loaded again)"
+    assert b.model_lost('time=... level=INFO source=routes.go:1 msg="request" status=200\n') is None

@@ -114,7 +114,7 @@ CASES: list[tuple[str, Callable[[Path, dict], list[str]], str]] = [
     ("run: a misspelt command", lambda d, g: ["valdate", str(d)],
      "kvexp: valdate: neither a command (validate, report, plan, install, resume, results, cleanup) nor an override key=value"),
     ("install: an unknown server", lambda d, g: ["install", "tgi"],
-     "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm', 'ollama', 'smollm2')"),
+     "kvexp install: argument what: invalid choice: 'tgi' (choose from 'llamacpp', 'vllm', 'ollama', 'smollm2', 'gemma3')"),
 ]
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY, kvexp_main
+from conftest import TINY, hardware_skip, kvexp_main
 
 from kvexp.app import bounds, checks
 from kvexp.app.compose import _options, check, compose, compose_all, kv_choices
@@ -298,7 +298,7 @@ def test_a_gpu_preset_for_a_server_on_the_cpu_is_refused(tmp_path, capsys):
     from kvexp.measure.gpu import gpu_info
 
     if gpu_info(quiet=True).name is not None:
-        pytest.skip("NVML sees a GPU here")
+        hardware_skip("NVML sees a GPU here; the refusal is for a machine without one")
     assert kvexp_main("gpu=h100", f"hydra.run.dir={tmp_path}/run") == 1
     err = capsys.readouterr().err
     assert err.startswith("kvexp: gpu.name=NVIDIA H100") and "kvexp sees no GPU here" in err and err.count("\n") == 1

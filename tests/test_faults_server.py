@@ -118,8 +118,8 @@ def hung_server_ends_its_level(tmp_path: Path, workers: int) -> None:
     # watch that waited for the requests' own timeouts (stall_timeout_s each, 2 at a time, 3,000 of them)
     # or for a second quiet window would be far later
     detect = stall + CHECK_INTERVAL_S + PROBE_TIMEOUT_S
-    print(f"\nthe level ended {ended - stopped:.1f} s after SIGSTOP (bound {2 * detect + CANCEL_WAIT_S:g} s)")
-    assert ended - stopped < 2 * detect + CANCEL_WAIT_S, f"the level ended {ended - stopped:.1f} s after SIGSTOP"
+    print(f"\nthe level ended {ended - stopped:.1f} s after SIGSTOP (one window and the watch's allowances: "
+          f"{detect + CANCEL_WAIT_S:g} s)")
     assert rc == 1
     assert run.output.strip().splitlines()[-1] == "kvexp: 1 job(s) failed: llamacpp-tiny-fp16-smoke"
     assert not running(server)
@@ -133,6 +133,12 @@ def hung_server_ends_its_level(tmp_path: Path, workers: int) -> None:
     assert check_file(tmp_path / "run" / "requests.jsonl") == []
     rows = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
     assert sum(1 for q in rows if not q["warmup"]) == lv["requests"] == 3000
+    # the end state, not a clock: the level ended within the quiet window checked above, in which each
+    # of the 2 in flight times out (its own stall timeout is the same 5 s) and is followed by one more at
+    # most, so at most 2 x 2 sent requests failed, plus the 2 the watch cut. A level that waited for the
+    # requests' own timeouts would have sent all 3,000, two at a time, and failed each
+    failed_sent = [q for q in rows if not q["warmup"] and q["sent_s"] is not None and q["error"]]
+    assert len(failed_sent) <= 6, [q["error"] for q in failed_sent[:8]]
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["own-loop", "2-worker-processes"])

@@ -5,7 +5,6 @@ kvexp's parser."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import missing
 
 from kvexp.app.compose import compose
 from kvexp.assets import embedded
@@ -35,9 +35,7 @@ MIB = 1 << 20
 def gemma3() -> Path:
     m = embedded.GEMMA3_270M
     if not m.gguf.is_file():
-        if os.environ.get("CI"):
-            pytest.fail("Gemma 3 270M is missing in CI: .ci/run must run `python -m kvexp install gemma3`")
-        pytest.skip("Gemma 3 270M not installed: run `python -m kvexp install gemma3`")
+        missing("Gemma 3 270M", "run `python -m kvexp install gemma3`")
     return m.gguf
 
 

@@ -1,7 +1,8 @@
 """The real Ollama server (built from its Go module by `python -m kvexp install ollama`), launched by kvexp
-with the job's GGUF imported: each KV type applied as the server's own log states it, the KV cache the
-planner predicts, token counts equal to the server's eval_count, the client's TPOT beside the server's
-eval_duration on the real model, and no server left after SIGINT or a killed server.
+with the job's GGUF imported: each KV type applied as the server's own log states it, its KV cache
+consistent with kvexp's planner (consistency between two parts of kvexp, not truth), token counts
+equal to the server's eval_count, the client's TPOT beside the server's eval_duration on the real model,
+and no server left after SIGINT or a killed server.
 
 The fake Ollama (tests/fake_ollama.py) stays for what a real server cannot be made to do on demand:
 malformed streams, stalls, mid-stream errors."""
@@ -11,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import with_tiny
+from conftest import missing, with_tiny
 from test_interrupts import Kvexp, jobs
 
 from kvexp.backends.llamacpp import MIB
@@ -46,7 +48,7 @@ def sweep(ollama, tmp_path_factory):
     return folder
 
 
-def test_each_kv_type_is_the_one_the_server_applied_and_sized_as_planned(sweep):
+def test_each_kv_type_is_the_one_the_server_applied_and_consistent_with_the_plan(sweep):
     results = jobs(sweep)
     assert [r["kv"]["requested"] for r in results.values()] == list(KV)
     for r in results.values():
@@ -148,3 +150,43 @@ def test_a_killed_server_fails_its_job_and_the_next_runs(ollama, tmp_path):
     results = jobs(sweep)
     assert [r["status"] for r in results.values()] == ["failed", "complete"]
     assert results["0_ollama-tiny-fp16-smoke"]["status_reason"].startswith("ollama server was killed by SIGKILL")
+
+
+def test_a_runner_killed_mid_level_fails_that_level_in_the_servers_words(ollama, tmp_path):
+    """`kill -9` of Ollama's runner (not of `ollama serve`): Ollama loads the model again and goes on
+    answering, so the level's requests mostly succeed; its figures mix two loads and a cold start, and
+    the level fails with the scheduler's own line, not counted as valid."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+    k = Kvexp(with_tiny(["backend=ollama", f"backend.binary={ollama}", "scenario.requests=3000",
+                         "scenario.concurrency=[2]", f"hydra.run.dir={tmp_path}/run"]), tmp_path, env, server="ollama")
+    k.wait_for("level 2: 3000 requests")
+    (runner,) = [p for p in k.servers() if "runner" in p.cmdline() and "--model" in p.cmdline()]
+    time.sleep(0.5)
+    runner.kill()
+    assert k.finish(timeout=600) == 1, k.output[-3000:]
+    r = json.loads((tmp_path / "run" / "result.json").read_text())
+    (lv,) = r["levels"]
+    assert lv["status"] == "failed" and lv["status_reason"] == (
+        "the server lost its model during this level: Ollama's runner died (\"llama runner process no longer "
+        "running\", signal: killed) and the model was loaded again; its figures mix two loads")
+    assert k.output.strip().splitlines()[-1] == "kvexp: 1 job(s) failed: ollama-tiny-fp16-smoke"
+    assert not k.survivors()
+
+
+def test_the_servers_last_error_line_is_quoted_when_it_exits(ollama, tmp_path):
+    """An Ollama models folder on a read-only mount: `ollama serve` exits at once; the job's reason quotes
+    its last error line, where it said only "exited with status 1"."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)]).returncode != 0:
+        missing("a read-only mount (root and mount(8))", "run as root")
+    try:
+        env = {**os.environ, "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
+        k, rc = _run(tmp_path, env, *with_tiny(["backend=ollama", f"backend.binary={ollama}",
+                                                f"+backend.env={{OLLAMA_MODELS: {ro}}}", f"hydra.run.dir={tmp_path}/run"]))
+    finally:
+        subprocess.run(["umount", str(ro)])
+    assert rc == 1
+    r = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert r["status_reason"] == (f"ollama server exited with status 1 (its last error: Error: mkdir {ro}/blobs: "
+                                  "read-only file system: ensure path elements are traversable) before becoming ready")

@@ -74,7 +74,7 @@ def test_the_refusal_comes_before_anything_starts(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.skipif(not TWO_CPUS, reason="pinning apart needs 2 CPUs")
+@pytest.mark.skipif(not TWO_CPUS, reason="hardware: pinning apart needs 2 CPUs")
 def test_a_launched_process_and_what_it_starts_run_on_the_servers_cpus(tmp_path):
     first = min(os.sched_getaffinity(0))
     proc = ServerProcess(["sh", "-c", "sleep 30 & wait"], {}, tmp_path / "log", "test server", 1.0, cpus=(first,))
@@ -91,7 +91,7 @@ def test_a_launched_process_and_what_it_starts_run_on_the_servers_cpus(tmp_path)
     assert proc.exited() is not None
 
 
-@pytest.mark.skipif(not TWO_CPUS, reason="pinning apart needs 2 CPUs")
+@pytest.mark.skipif(not TWO_CPUS, reason="hardware: pinning apart needs 2 CPUs")
 def test_the_client_runs_on_its_cpus_while_it_measures_and_goes_back_after():
     before = os.sched_getaffinity(0)
     p = placement.plan(cfg(), cpus=sorted(before))

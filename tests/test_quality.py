@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import with_tiny, TINY
+from conftest import TINY, hardware_skip, missing, with_tiny
 
 from kvexp.app.compose import compose
 from kvexp.app.checks import check_config
@@ -105,9 +105,7 @@ def llama_perplexity(llama_server) -> Path:
 
     found = find_llama_perplexity(llama_server)
     if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("llama-perplexity is missing in CI: .ci/run must run `python -m kvexp install llamacpp`")
-        pytest.skip("llama-perplexity not installed: run `python -m kvexp install llamacpp`")
+        missing("llama-perplexity", "run `python -m kvexp install llamacpp`")
     return found
 
 
@@ -216,9 +214,7 @@ def test_vllm_fp8_drifts_and_auto_reproduces_itself(tmp_path):
     from kvexp.assets.install import vllm_python
 
     if vllm_python() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the vLLM venv is missing in CI: .ci/run must run `python -m kvexp install vllm`")
-        pytest.skip("vLLM not installed: run `python -m kvexp install vllm`")
+        missing("the vLLM CPU venv", "run `python -m kvexp install vllm`")
     kvs = "fp16,fp8" if cpu_fp8_kv_supported(Path("/proc/cpuinfo").read_text()) else "fp16"
     p = run_kvexp(["-m", "backend=vllm", "model=tiny-quality", f"kv={kvs}", "scenario=quality", "quality.depths=[512]",
                    "quality.prompts=4", "quality.max_tokens=16"], tmp_path, tmp_path / "qcache")
@@ -230,7 +226,7 @@ def test_vllm_fp8_drifts_and_auto_reproduces_itself(tmp_path):
     assert res["fp16"]["quality"]["determinism"]["deterministic"] is True
     assert res["fp16"]["quality"]["teacher_forced"]["top_k"] == 10
     if "fp8" not in res:
-        pytest.skip("fp8 KV on vLLM's CPU build needs AVX-512 or AMX; this CPU has neither")
+        hardware_skip("fp8 KV on vLLM's CPU build needs AVX-512 or AMX; this CPU has neither")
     fp8 = depths(res["fp8"])[512]
     assert fp8["kld_mean"] > 0 and fp8["top1_agreement"] < 1.0
     assert res["fp8"]["quality"]["baseline"]["cached"] is True

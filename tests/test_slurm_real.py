@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from conftest import with_tiny
+from conftest import missing, with_tiny
 
 from kvexp.results.validate import check_file
 
@@ -52,9 +52,7 @@ def cluster():
     if gone or os.geteuid() != 0:
         why = (f"{', '.join(gone)} missing (apt-get install {slurm_cluster.PACKAGES})" if gone
                else "the one-node Slurm cluster runs its daemons as root")
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm test cluster in CI: {why}; .ci/run must install them")
-        pytest.skip(f"Slurm test cluster: {why}")
+        missing(f"the Slurm test cluster ({why})", "install them")
     with slurm_cluster.SlurmCluster() as c:
         yield c
 
@@ -278,3 +276,88 @@ def test_a_job_cancelled_while_pending_fails_the_sweep_and_its_resume_runs_it(pe
     assert smoke["status"] == "complete" and len(smoke["levels"]) == 2
     statuses = {r["label"]: r["status"] for r in json.loads((pending["dir"] / "sweep.json").read_text())["runs"]}
     assert statuses == {SLOW_LABEL: "complete", "llamacpp-tiny-fp16-smoke": "complete"}
+
+
+# ---------------------------------------------------------------- what Slurm refuses, and its time limit
+def test_a_partition_that_does_not_exist_is_one_line(cluster, llama_server, tmp_path):
+    resources = [r for r in RESOURCES if not r.startswith("hydra.launcher.partition=")]
+    rc, out, err = finish(kvexp(cluster, ["-m", "kv=fp16,q8_0", f"backend.binary={llama_server}",
+                                          "hydra/launcher=kvexp_slurm", "hydra.launcher.partition=nosuch",
+                                          *resources], tmp_path))
+    assert rc == 1, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("kvexp: Slurm refused the sweep's jobs, none was submitted: sbatch: error: "
+                                            "Batch job submission failed: Invalid partition name specified")
+    assert "Traceback" not in err and err.count("sbatch:") == 1, err[-3000:]
+    assert not cluster.jobs()
+
+
+# a job that measures for ten minutes, in a sweep whose jobs may run one minute (Slurm's shortest limit)
+LONG = SLOW.replace("name: slow", "name: long").replace("rates: [4]", "rates: [1]").replace("requests: 48",
+                                                                                            "requests: 600")
+LONG_LABEL = "llamacpp-tiny-fp16-long"
+
+
+@pytest.fixture(scope="module")
+def timed_out(cluster, llama_server, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("slurm_timeout")
+    (cwd / "conf" / "scenario").mkdir(parents=True)
+    (cwd / "conf" / "scenario" / "long.yaml").write_text(LONG)
+    resources = [r for r in RESOURCES if not r.startswith("hydra.launcher.timeout_min=")]
+    p = kvexp(cluster, ["-m", "scenario=long", f"hydra.searchpath=[file://{cwd / 'conf'}]",
+                        f"backend.binary={llama_server}", "hydra/launcher=kvexp_slurm", "hydra.launcher.timeout_min=1",
+                        "hydra.launcher.signal_delay_s=0", *resources], cwd)
+    servers: dict[int, psutil.Process] = {}
+    with killed_on_failure(p):
+        while p.poll() is None:  # the hang guard is finish()'s and the test's timeout
+            for q in cluster.job_processes():
+                with contextlib.suppress(psutil.Error):
+                    if q.name().startswith("llama-server"):
+                        servers.setdefault(q.pid, q)
+            time.sleep(0.5)
+    rc, out, err = finish(p)
+    return {"rc": rc, "text": out + err, "dir": sweep_dir(cwd), "servers": list(servers.values())}
+
+
+@pytest.mark.timeout(600)
+def test_a_job_killed_by_its_time_limit_is_one_line_and_leaves_no_server(cluster, timed_out):
+    text = timed_out["text"]
+    assert timed_out["rc"] == 1 and "Traceback" not in text, text[-3000:]
+    named = [ln for ln in text.splitlines() if LONG_LABEL in ln and "TIMEOUT" in ln]
+    assert len(named) == 1, text[-3000:]
+    r = result(timed_out["dir"] / f"0_{LONG_LABEL}")
+    assert r["status"] == "failed" and "TIMEOUT" in r["status_reason"], r["status_reason"]
+    assert timed_out["servers"], "the job's llama-server was not seen"
+    assert not [s for s in timed_out["servers"] if s.is_running() and s.status() != psutil.STATUS_ZOMBIE]
+    assert not cluster.job_processes()  # nothing of the job is left on the node
+    assert (timed_out["dir"] / "report" / "report.html").is_file()
+
+
+# ---------------------------------------------------------------- twenty jobs, two at a time
+def _overlap(rows: list[tuple[str, str]]) -> int:
+    """The most jobs running at once, from sacct's (Start, End) of each (ISO times sort as text)."""
+    events = sorted([(s, 1) for s, _ in rows] + [(e, -1) for _, e in rows], key=lambda x: (x[0], x[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.timeout(900)
+def test_twenty_jobs_two_at_a_time_finish_into_one_report(cluster, llama_server, tmp_path):
+    p = kvexp(cluster, ["-m", "scenario.seed=range(0,20)", "scenario.requests=4", f"backend.binary={llama_server}",
+                        "hydra/launcher=kvexp_slurm", "hydra.launcher.array_parallelism=2", *RESOURCES], tmp_path)
+    with killed_on_failure(p):
+        _, err = p.communicate(timeout=840)
+    assert p.returncode == 0, err[-3000:]
+    d = sweep_dir(tmp_path)
+    agg = json.loads((d / "sweep.json").read_text())
+    assert check_file(d / "sweep.json") == [] and len(agg["runs"]) == 20
+    assert {r["status"] for r in agg["runs"]} == {"complete"}
+    assert (d / "report" / "report.html").is_file() and (d / "summary.md").is_file()
+    (array,) = {result(f.parent)["environment"]["scheduler"]["array_job_id"] for f in d.glob("*/result.json")}
+    acct = cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State,Start,End", "-j", str(array)).stdout.splitlines()
+    rows = [line.split("|") for line in acct if line.count("|") == 3]
+    assert len(rows) == 20 and {r[1] for r in rows} == {"COMPLETED"}, acct
+    assert _overlap([(r[2], r[3]) for r in rows]) <= 2, acct
+    assert not cluster.job_processes()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY, with_tiny
+from conftest import TINY, missing, with_tiny
 
 from kvexp.app.checks import check_config
 from kvexp.app.compose import compose
@@ -159,7 +159,7 @@ def test_vllm_shared_prefix_hits_from_its_counters(tmp_path):
     from kvexp.assets.install import vllm_python
 
     if vllm_python() is None:
-        pytest.skip("no vLLM CPU venv in kvexp's cache: run `python -m kvexp install vllm`")
+        missing("the vLLM CPU venv", "run `python -m kvexp install vllm`")
     base = ["backend=vllm", "scenario=prefix", "scenario.requests=16", "scenario.concurrency=[1,4]",
             '+backend.env={VLLM_SERVER_DEV_MODE: "1"}']  # one server for both jobs
     pool = ServerPool()

@@ -1,6 +1,7 @@
-"""kvexp's figures against truths it did not produce, on the real llama-server: the planner's predicted
-KV usage (the physical limit of the cache the server allocated), the server's own per-request timings,
-the exact KV bytes, and an open-loop schedule that kvexp's own client must not throttle."""
+"""kvexp's figures against truths it did not produce, on the real llama-server: the server's own
+per-request timings, the exact KV bytes, and an open-loop schedule that kvexp's own client must not
+throttle. One check here is consistency, not truth: the measured KV usage against kvexp's own planner
+(both are kvexp's code; they agreeing shows they do not contradict each other)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def chat(llama_server, tmp_path_factory):
     return run(out, llama_server, "scenario=chat", "scenario.requests=16", "scenario.warmup_requests=1")
 
 
-def test_chat_kv_usage_never_exceeds_the_plan(chat):
+def test_chat_kv_usage_is_consistent_with_the_plan(chat):
+    """Consistency, not truth: the planner is kvexp's own code."""
     plan = {row["concurrency"]: row["predicted_kv_usage"] for row in chat["planner"]["levels"]}
     assert chat["status"] == "complete" and chat["server"]["slots"] == 16
     # the server allocated what the planner predicted: 16 slots of 784 cells, padded to 1,024

@@ -9,9 +9,13 @@ that are already finished."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
@@ -33,6 +37,31 @@ def _why(job: Any) -> str:
     state = str(getattr(job, "state", "") or "UNKNOWN")
     what = "cancelled" if state.startswith("CANCELLED") else "ended before it finished"
     return f"{what} (Slurm job {job.job_id}: {state}; its output: {job.paths.stderr})"
+
+
+@contextlib.contextmanager
+def _stderr_held() -> Iterator[None]:
+    """What child processes write to standard error meanwhile, held back: written out if the block ends
+    normally, dropped if it raises (its caller says why in one line)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        os.write(2, held.read())
+
+
+def _refusal(stderr: str) -> str:
+    """sbatch's reason, in one line: its last `error:` line (`Batch job submission failed: Invalid partition
+    name specified`), else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    said = [ln for ln in lines if "error:" in ln or "fatal:" in ln]
+    return (said or lines or ["sbatch failed"])[-1]
 
 
 def _failed(ret: JobReturn, job: Any) -> str:
@@ -129,7 +158,11 @@ if SlurmLauncher is not None:
                          "  (finished: kept, not submitted)" if num in kept else "")
                 if num not in kept:
                     params.append((overrides, "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
-            jobs = dict(zip((p[2] for p in params), executor.map_array(self, *zip(*params)))) if params else {}
+            try:
+                with _stderr_held():  # sbatch's own lines: shown after a submission, folded into one on a refusal
+                    jobs = dict(zip((p[2] for p in params), executor.map_array(self, *zip(*params)))) if params else {}
+            except submitit.core.utils.FailedJobError as e:  # sbatch refused the array: nothing was submitted
+                raise SystemExit(f"kvexp: Slurm refused the sweep's jobs, none was submitted: {_refusal(str(e))}")
             return [JobReturn(overrides=o, status=JobStatus.COMPLETED, working_dir=str(self._folder(cfg)))
                     if num in kept else self._outcome(jobs[num], o, cfg) for num, o, cfg in numbered]
 

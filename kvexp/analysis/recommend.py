@@ -129,7 +129,7 @@ def _quality_text(q: Optional[dict[str, float]]) -> str:
     return "; quality of its KV dtype: " + ", ".join(f"{k} {v:g}" for k, v in list(q.items())[:4])
 
 
-def _with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, Any]:
+def with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, Any]:
     caps = [(r, capacity(r, slo)) for r in runs]
     meeting = [(r, c) for r, c in caps if c["capacity"] is not None]
     out: dict[str, Any] = {"scenario": scenario, "slo": slo, "met": bool(meeting), "best": None,
@@ -229,7 +229,7 @@ def recommendations(aggregate: dict) -> list[dict[str, Any]]:
                 groups.setdefault(tuple(sorted(slo.items())), []).append(r)
         if groups:
             for key, rs in groups.items():
-                out.append(_with_slo(scen, dict(key), rs))
+                out.append(with_slo(scen, dict(key), rs))
         else:
             rec = _without_slo(scen, usable)
             if rec is not None:

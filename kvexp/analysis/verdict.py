@@ -315,6 +315,8 @@ def verdicts(aggregate: dict) -> list[Verdict]:
             v = _speed_verdict(scen, rs, None if key is None else dict(key), names, mem, kld)
             if v is None:
                 v = _quality_verdict(scen, rs, names, mem)
+            if v is None and key is not None:  # nothing meets the objective: the ranking's words, everywhere
+                v = Verdict(scen, (), recommend.with_slo(scen, dict(key), rs)["sentence"], "")
             if v is not None:
                 out.append(v)
     return out

@@ -19,6 +19,7 @@ from kvexp.results.guards import MAX_RUN_LEVELS
 # Upper bounds of settings beyond which a value is a typo, not an experiment (config.py has the
 # scenario's own: MAX_STREAMS, MAX_TOKENS, MAX_REQUESTS, MAX_RATE).
 MAX_WAIT_S = 86_400.0  # a timeout: a day
+MAX_WARMUP = 1000  # warm-up requests: they wake the server and are not measured (a million ran for hours, unsaid)
 MAX_SLO_MS = MAX_WAIT_S * 1000  # a latency objective: a day
 MAX_POLL_S = 60.0  # a sampling interval
 MAX_LEVELS = MAX_STREAMS  # levels of a job, a search's filled grid included

@@ -15,7 +15,8 @@ from hydra.core.config_store import ConfigStore
 
 from kvexp.app import bounds
 from kvexp.app.bounds import (MAX_BLOCK, MAX_CHUNKS, MAX_DEPTHS, MAX_GIB, MAX_KV_BYTES, MAX_LAYERS, MAX_PARAMS_B,
-                              MAX_POLL_S, MAX_PROMPTS, MAX_SLO_MS, MAX_THREADS, MAX_TOP_K, MAX_WAIT_S, MAX_WEIGHT_BITS,
+                              MAX_POLL_S, MAX_PROMPTS, MAX_SLO_MS, MAX_THREADS, MAX_TOP_K, MAX_WAIT_S, MAX_WARMUP,
+                              MAX_WEIGHT_BITS,
                               in_range as _in, num as _num, require as _require)
 from kvexp.backends import REGISTRY, adapter_class
 from kvexp.core import placement
@@ -185,7 +186,8 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     _in("scenario.prompt_tokens", s.prompt_tokens, 1, MAX_TOKENS)
     _in("scenario.max_tokens", s.max_tokens, 1, MAX_TOKENS)
     _in("scenario.requests", s.requests, 1, MAX_REQUESTS)
-    _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_REQUESTS)
+    _in("scenario.warmup_requests", s.warmup_requests, 0, MAX_WARMUP,
+        why="a warm-up only wakes the server and is not measured; measure more with scenario.requests")
     _in("scenario.repeats", s.repeats, 1, MAX_REPEATS)
     for key in ("request_timeout_s", "stall_timeout_s"):
         _in(f"scenario.{key}", getattr(s, key), 0, MAX_WAIT_S, low_open=True, unit=" s", why="a day")

@@ -312,9 +312,39 @@ def to_experiment(node: Any) -> ExperimentConfig:
     return OmegaConf.to_object(node)
 
 
+SLURM_LAUNCHERS = ("submitit_slurm", "kvexp_slurm")  # conf/hydra/launcher/, hydra_plugins/kvexp_launcher/
+
+
+def check_launcher(overrides: list[str]) -> None:
+    """A launcher that cannot submit here, refused before any folder is made: submitit's without kvexp's
+    `cluster` extra (Hydra said "Unknown plugin class" in a 25-line traceback), a Slurm one on a machine
+    without Slurm's commands (submitit's traceback)."""
+    import importlib.util
+    import shutil
+
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "hydra/launcher"]
+    name = chosen[-1] if chosen else ""
+    if name.startswith("submitit") or name in SLURM_LAUNCHERS:
+        try:
+            there = all(importlib.util.find_spec(m) is not None
+                        for m in ("submitit", "hydra_plugins.hydra_submitit_launcher"))
+        except (ImportError, ValueError):
+            there = False
+        if not there:
+            raise ConfigError(f"hydra/launcher={name}: needs kvexp's cluster extra (hydra-submitit-launcher, "
+                              "submitit): pip install 'kvexp[cluster]'")
+    if name in SLURM_LAUNCHERS:
+        gone = [p for p in ("sbatch", "srun") if shutil.which(p) is None]
+        if gone:
+            raise ConfigError(f"hydra/launcher={name}: {' and '.join(gone)} not found on PATH: submit from a machine "
+                              "of a Slurm cluster (a login node), or run the jobs here with "
+                              "hydra/launcher=submitit_local")
+
+
 def compose_all(overrides: list[str]) -> list[tuple[list[str], ExperimentConfig]]:
     """Every job of a sweep, composed (a backend-only key set for the jobs whose backend declares it,
     see backend_only_keys); raises ConfigError with one line."""
+    check_launcher(overrides)
     overrides, partial = backend_only_keys(own_model(overrides))
     try:
         combos = sweep_overrides(overrides)

@@ -24,6 +24,7 @@ from hydra.errors import OverrideParseException
 
 from kvexp.core.config import ConfigError, ExperimentConfig, job_label
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, spec_hash
+from kvexp.results.validate import request_log_problem
 
 DIR_KEYS = ("hydra.sweep.dir", "hydra.run.dir")
 NO_RUN_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
@@ -205,12 +206,19 @@ def check_resume(folder: Path, multirun: bool, overrides: list[str],
             break
         if label in new and old is not None and old not in new[label]:
             why = f"job {label}: config hash {old}, now {' or '.join(sorted(new[label]))}"
-    if why is None:
-        return
     fresh = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in ("resume", *DIR_KEYS)]
-    raise ConfigError(f"{folder}: the spec changed since it was measured ({why}); nothing in the folder was "
-                      f"changed. To measure the new spec, start a new {'sweep' if multirun else 'run'}: "
-                      f"python -m kvexp {' '.join(shlex.quote(a) for a in fresh)}")
+    again = f"start a new {'sweep' if multirun else 'run'}: python -m kvexp {' '.join(shlex.quote(a) for a in fresh)}"
+    if why is not None:
+        raise ConfigError(f"{folder}: the spec changed since it was measured ({why}); nothing in the folder was "
+                          f"changed. To measure the new spec, {again}")
+    for path, _, _ in results:  # a resume keeps finished levels with their requests: they must be there
+        try:
+            problem = request_log_problem(path.parent, load_document(path)[1])
+        except ResultError:
+            continue  # the job's own resume says what is wrong with its result
+        if problem:
+            raise ConfigError(f"resume refused: {problem}; nothing in the folder was changed. To measure it "
+                              f"again, {again}")
 
 
 def check_job(cfg: ExperimentConfig) -> None:

@@ -464,6 +464,12 @@ class Adapter:
         them: a server's logger may write them after it answers its health probe)."""
         return True
 
+    def model_lost(self, log_part: str) -> Optional[str]:
+        """The server's own words when the part of its log written during a level says it lost its
+        model meanwhile (a model process that died and was loaded again), else None: such a level's
+        figures mix two loads and a cold start."""
+        return None
+
     def check_kv(self, info: KVCacheInfo) -> Optional[str]:
         """Why the KV cache the server reports contradicts the spec beyond its dtype (None: it does not)."""
         return None

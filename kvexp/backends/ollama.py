@@ -91,6 +91,10 @@ class OllamaConfig(BackendConfig):
     threads: Optional[int] = None
 
 
+# The scheduler's words when its runner dies (e.g. `kill -9`): it loads the model again for the next request
+_RUNNER_GONE = re.compile(r'msg="(llama runner process no longer running)"[^\n]*?string="([^"]*)"')
+_RUNNER_START = re.compile(r'msg="starting runner" cmd="[^"]*--model ')
+
 
 def parse_ndjson_line(line: bytes) -> Optional[StreamEvent]:
     """One line of an /api/generate or /api/chat stream."""
@@ -371,6 +375,12 @@ class Ollama(Adapter):
 
     def log_states_kv(self, log_text: str) -> bool:
         return LOADED_LINE in log_text
+
+    def model_lost(self, log_part: str) -> Optional[str]:
+        if m := _RUNNER_GONE.search(log_part):
+            return f'Ollama\'s runner died ("{m[1]}", {m[2]}) and the model was loaded again'
+        return ("Ollama started its model runner again (the model was loaded again)"
+                if _RUNNER_START.search(log_part) else None)
 
     async def preload(self, session: aiohttp.ClientSession) -> bool:
         """Load the model (an empty prompt, as Ollama documents) so that the load lands neither in

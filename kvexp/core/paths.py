@@ -4,6 +4,7 @@ and the one way kvexp writes a file that a reader may open at any moment."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -17,8 +18,12 @@ _PKG = Path(__file__).resolve().parent.parent  # kvexp/
 def cache_dir() -> Path:
     """kvexp's per-machine cache (built servers, models, calibration): $KVEXP_CACHE, else
     $XDG_CACHE_HOME/kvexp, else ~/.cache/kvexp."""
-    base = os.environ.get("KVEXP_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp")
+    given = os.environ.get("KVEXP_CACHE")
+    base = given or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexp")
+    if os.path.exists(base) and not os.path.isdir(base):  # every use would fail with "File exists" or worse
+        what = ("KVEXP_CACHE names a file, not a folder: name a folder (or unset it)" if given else
+                "kvexp's cache is a file, not a folder: move the file away or set KVEXP_CACHE to a folder")
+        raise NotADirectoryError(errno.ENOTDIR, what, base)
     return Path(base)
 
 

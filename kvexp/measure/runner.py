@@ -301,8 +301,12 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     _check_alive(server)
                     if server is None:
                         await _check_attached(backend, session)
+                    log_at = _log_size(server)
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
+                    if summary["status"] == "ok" and (lost := backend.model_lost(_log_since(server, log_at))):
+                        summary.update(status="failed", status_reason=f"the server lost its model during this "
+                                       f"level: {lost}; its figures mix two loads")
                     job.add_level(summary)
                     if observer:  # once it is saved: a signal after its line loses nothing the line showed
                         observer.level_done(value, summary)
@@ -481,6 +485,25 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
 
 
 LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
+
+
+def _log_size(server: Optional[Server]) -> int:
+    try:
+        return server.process.log_path.stat().st_size if server else 0
+    except OSError:
+        return 0
+
+
+def _log_since(server: Optional[Server], offset: int) -> str:
+    """What the launched server's log gained since offset (at most 4 MiB of it); "" for an attached server."""
+    if server is None:
+        return ""
+    try:
+        with open(server.process.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read(4 << 20).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 async def _server_log(backend: Adapter, server: Optional[Server]) -> str:

@@ -14,9 +14,9 @@ from typing import Any, Iterable, Optional
 from jinja2 import Environment
 
 from kvexp import backends
-from kvexp.analysis.aggregate import collect
+from kvexp.analysis.aggregate import collect, run_of
 from kvexp.analysis.documents import run_status, scenarios
-from kvexp.analysis.recommend import peak_level
+from kvexp.analysis.recommend import peak_level, slo_of
 from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
@@ -113,8 +113,10 @@ def _env() -> Environment:
 
 def render_job_summary(result: dict[str, Any]) -> str:
     levels = result["levels"]
+    run = run_of(result)  # a job with a latency objective: its verdict in the words the terminal and report use
+    said = [v.sentence for v in verdicts({"runs": [run]})] if slo_of(run) is not None and levels else []
     return _env().get_template("summary.md.j2").render(r=result, levels=levels_table(levels, result.get("status")),
-                                                        repeats=repeats_table(levels))
+                                                        repeats=repeats_table(levels), verdicts=said)
 
 
 def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:

@@ -465,7 +465,10 @@ def levels_of(doc: Any, source: str) -> list[ForeignLevel]:
             docs = doc if isinstance(doc, list) else [doc]
             return [vllm_level(d, source, f"$[{i}]" if isinstance(doc, list) else "$") for i, d in enumerate(docs)]
         if tool == GUIDELLM:
-            return guidellm_levels(doc, source)
+            if not (levels := guidellm_levels(doc, source)):
+                raise ForeignFormatError("GuideLLM file with no benchmark ($.benchmarks is empty): it measured "
+                                         "nothing to report")
+            return levels
         if tool == AIPERF:
             return [aiperf_level(doc, source)]
     except ForeignFormatError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from kvexp.core.paths import data_dir
+from kvexp.metrics.levels import level_x
 from kvexp.results import foreign, guards
 from kvexp.results.foreign_fields import field_errors
 
@@ -233,8 +235,12 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
         return Inspected("", None, [f"{path}: {e}"])
     except ValueError as e:
         doc = json_lines_of(text)
+        if _request_rows(doc):
+            return Inspected("request", None, [_request_log(path)])
         if foreign.sniff(doc) is None:
             return Inspected("", None, [f"{path}: not JSON{not_json.format(e)}"])
+    if _request_rows([doc]):  # a log of one request
+        return Inspected("request", None, [_request_log(path)])
     deep = [m for m in structure_errors(doc) if "nested deeper" in m]
     if deep:  # refused whatever its shape claims to be
         return Inspected("", None, [f"{path}: {deep[0]}"])
@@ -250,9 +256,58 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
     return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind)])
 
 
+def _request_rows(docs: Any) -> bool:
+    """Whether docs (parsed lines) are the lines of a requests.jsonl."""
+    return isinstance(docs, list) and bool(docs) and all(isinstance(d, dict) and kind_of(d) == "request" for d in docs)
+
+
+def _request_log(path: Path) -> str:
+    return (f"{path}: a request log (requests.jsonl, one request per line), not a result: give its run folder "
+            f"({path.parent}) or its result.json")
+
+
 def check_file(path: Path) -> list[str]:
-    """Violations of one file (JSON or JSONL), each 'FILE: JSON-path: message'."""
-    return inspect_file(path).errors
+    """Violations of one file (JSON or JSONL), each 'FILE: JSON-path: message'. A job's result in the
+    folder a run wrote (Hydra's .hydra/ beside it) must have its request log there, holding its levels."""
+    path = Path(path)
+    found = inspect_file(path)
+    if found.kind == "result" and not found.errors and (path.parent / ".hydra").is_dir():
+        if problem := request_log_problem(path.parent, found.doc):
+            return [problem]
+    return found.errors
+
+
+def request_log_problem(folder: Path, doc: dict[str, Any]) -> str | None:
+    """Why the request log a job's result names (`requests_file`, in its folder) does not hold the
+    result's levels: missing, unreadable, or fewer measured lines for a level (and repeat) than the
+    level's requests; None when it holds them or the result names none."""
+    levels = [lv for lv in doc.get("levels") or [] if level_x(lv) is not None]
+    name = doc.get("requests_file")
+    if not name or not levels:
+        return None
+    path = folder / name
+    if not path.exists():
+        return (f"{path}: missing: the request log of the {len(levels)} level(s) in {folder / 'result.json'} "
+                "(their requests cannot be read or resumed)")
+    counts: Counter = Counter()
+    try:
+        for _, raw in guards.regular_lines(path, guards.MAX_JSONL_BYTES, MAX_LINE_BYTES):
+            try:
+                row = parse_json(raw.decode("utf-8"))
+                if not row.get("warmup"):
+                    counts[(float(row["level"]), int(row["repeat"]))] += 1
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                continue  # a bad line: validate names it when given the log itself
+    except (FileRefused, OSError) as e:
+        return f"{path}: cannot read: {getattr(e, 'strerror', None) or e}"
+    for lv in levels:
+        kind, x = level_x(lv)
+        repeat, want = int(lv.get("repeat") or 0), int(lv.get("requests") or 0)
+        if counts[(x, repeat)] < want:
+            return (f"{path}: {counts[(x, repeat)]} request line(s) for {kind} {x:g}"
+                    f"{f' (repeat {repeat})' if repeat else ''}, whose level in {folder / 'result.json'} "
+                    f"counts {want}: the log was cut or edited")
+    return None
 
 
 def json_lines_of(text: str) -> Any:

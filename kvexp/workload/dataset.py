@@ -36,6 +36,9 @@ CHAT_ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 _SHAPES = ("messages", "conversations", "prompt")
+# A user turn of nothing (or only spaces) sends the chat template alone: a request of a few template
+# tokens measured as if it were the dataset's prompt.
+EMPTY = "an empty user message: its request would send the chat template alone"
 
 
 def _turns(value: Any, field: str, role_key: str, text_key: str, roles: dict[str, str]) -> list[Message]:
@@ -50,6 +53,7 @@ def _turns(value: Any, field: str, role_key: str, text_key: str, roles: dict[str
                    f"{at}.{role_key}: {short(role)} is not one of {', '.join(roles)}")
         check_line(text_key in m, f"{at}.{text_key}: missing")
         check_line(isinstance(m[text_key], str), f"{at}.{text_key}: expected a string, got {type_name(m[text_key])}")
+        check_line(roles[role] != "user" or bool(m[text_key].strip()), f"{at}.{text_key}: {EMPTY}")
         out.append(Message(roles[role], m[text_key]))
     return out
 
@@ -65,6 +69,7 @@ def _entry(n: int, obj: Any) -> Entry:
         turns = _turns(obj["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
     else:
         check_line(isinstance(obj["prompt"], str), f"prompt: expected a string, got {type_name(obj['prompt'])}")
+        check_line(bool(obj["prompt"].strip()), f"prompt: {EMPTY}")
         turns = [Message("user", obj["prompt"])]
     users = [i for i, m in enumerate(turns) if m.role == "user"]
     check_line(bool(users), "no user message")
