@@ -90,6 +90,7 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "kv_requested": result["kv"]["requested"],
         "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
         "numerics": (result.get("server") or {}).get("numerics"),
+        "placement": (result.get("environment") or {}).get("placement"),
         "reused_server": result["backend"]["reused_server"],
         "planner": result.get("planner"),
         "quality": result.get("quality"),

@@ -13,6 +13,10 @@ How a verdict is reached, in order:
    more capacity in the same memory, which is why one picks a smaller KV dtype.
 4. Then lower drift, then throughput. Configurations left equal on every count are named together.
 
+Before any of this, comparable.partition decides which runs can be compared at all (same workload, weights,
+CPU placement and machine load; complete; KV dtype confirmed; one copy of each document): the verdict picks
+only within such a field, and every run left out is named under it with its one reason.
+
 The caveat names what limits the verdict: one run each (and the noise threshold that implies), runs of
 different weights, model files or engine builds, and machine load that differed between runs (a lead
 measured under other load is not called one)."""
@@ -22,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvexp.analysis import conditions as C, documents as D, noise, recommend
+from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
 from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
@@ -48,13 +52,16 @@ class Verdict:
     choice: tuple[str, ...]  # short names of the configuration(s) to run; () when nothing can be said
     why: str
     caveat: str
+    excluded: tuple[str, ...] = ()  # "llama.cpp q8_0 (label): not compared, because ...", one per run left out
 
     @property
     def sentence(self) -> str:
-        return " ".join(s for s in (self.why, self.caveat) if s)
+        left = ("; ".join(self.excluded) + ".") if self.excluded else ""
+        return " ".join(s for s in (self.why, self.caveat, left) if s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat}
+        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat,
+                "excluded": list(self.excluded)}
 
 
 def short_names(runs: list[dict]) -> dict[str, str]:
@@ -206,7 +213,8 @@ def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str]) -> str
                    for r in runs for lv in D.sorted_levels(r)[:1])
     thresholds = [v.threshold_pct for v in verdicts if v is not None and v.threshold_pct is not None]
     if not repeated:
-        noise_part = (f"differences under {max(thresholds):.0f} % are noise here" if thresholds
+        noise_part = (noise.DISPERSED if thresholds and max(thresholds) > noise.MAX_THRESHOLD_PCT
+                      else f"differences under {max(thresholds):.0f} % are noise here" if thresholds
                       else "no difference can be told from noise")
         parts.append(f"one run each: {noise_part}; repeat with scenario.repeats=3")
     weights = sorted({D.weights_display(r) for r in runs} - {"—"})
@@ -257,7 +265,10 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
             why += f" {text[0].upper()}{text[1:]}."
         return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names))
     figures = ", ".join(f"{c.name} {_fmt_fig(c, slo)}" for c in ordered)
-    tie = f"{scenario}: by {basis}, {len(tied)} configurations tie ({figures}: no measurable difference)"
+    dispersed = any(v is not None and v.dispersed for v in verdicts)
+    tie = (f"{scenario}: by {basis}, {len(tied)} configurations cannot be told apart ({figures}: "
+           f"{noise.DISPERSED})" if dispersed else
+           f"{scenario}: by {basis}, {len(tied)} configurations tie ({figures}: no measurable difference)")
     if how == "memory":
         why = f"{tie}, so KV memory decides: run {first.name}{_where(first)}; {_memory_words(first, ordered[1:])}"
         if first.drift:
@@ -298,23 +309,73 @@ def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) ->
     return Verdict(scenario, (first.name,), why, "")
 
 
+def _left_words(left: list[comparable.Left], names: dict[str, str]) -> tuple[str, ...]:
+    out = []
+    for x in left:
+        name = names.get(x.label, x.label)
+        who = name if x.label in name else f"{name} ({x.label})"
+        out.append(f"{who}: not compared, because {x.reason}")
+    return tuple(out)
+
+
+def _cross_words(f: comparable.Field) -> str:
+    return ("Engines and weights differ together here (" + "; ".join(f.engines) + "): a difference below is the "
+            "engine's and its weights' together, not the KV dtype's alone. ")
+
+
+def _missed(scenario: str, runs: list[dict], slo: dict, names: dict) -> Optional[Verdict]:
+    """Every run of a field misses the objectives at its lowest level: say so, and by how much the closest does."""
+    caps = [(r, recommend.capacity(r, slo)) for r in runs]
+    if any(c["capacity"] is not None for _, c in caps) or not any(c["miss_pct"] is not None for _, c in caps):
+        return None
+    r, c = min(((r, c) for r, c in caps if c["miss_pct"] is not None), key=lambda rc: rc[1]["miss_pct"])
+    why = (f"{scenario}, {recommend.slo_text(slo)}: {recommend.SLO_MISSED}: no configuration meets the objectives; "
+           f"the closest, {names.get(str(r.get('label')), r.get('label'))}, misses by {c['miss_pct']:g} % at its "
+           f"lowest level ({D.x_words(c['kind'])} {c['miss_at']:g}: {c['miss_what']}). Relax the objectives or "
+           "measure lower levels.")
+    return Verdict(scenario, (), why, "")
+
+
+def _field_verdict(scen: str, f: comparable.Field, slo: Optional[dict], names: dict, mem: dict,
+                   kld: dict) -> Optional[Verdict]:
+    rs = list(f.runs)
+    v = _missed(scen, rs, slo, names) if slo is not None else None
+    v = v or _speed_verdict(scen, rs, slo, names, mem, kld) or _quality_verdict(scen, rs, names, mem)
+    if v is not None and f.cross_engine:
+        v = Verdict(v.scenario, v.choice, _cross_words(f) + v.why, v.caveat)
+    return v
+
+
 def verdicts(aggregate: dict) -> list[Verdict]:
-    """One verdict per scenario (and per latency objective where a scenario's runs set different ones)."""
+    """One verdict per scenario (and per latency objective where a scenario's runs set different ones), and
+    per field of comparable runs within it (comparable.partition): the runs left out are named under it,
+    each with its reason."""
     mem, kld = kv_lookups(aggregate)
     out: list[Verdict] = []
     for scen, runs in D.scenarios(aggregate):
-        usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]
-        if not usable:
-            continue
-        names = short_names(usable)
+        names = short_names([r for r in runs if D.run_status(r) != "skipped"])
+        names.update({str(r.get("label")): D.run_kind(r).replace(", ", " ").replace(" KV", "")
+                      for r in runs if str(r.get("label")) not in names})
         groups: dict[Any, list[dict]] = {}
-        for r in usable:
+        for r in runs:
             slo = recommend.slo_of(r)
             groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
         for key, rs in groups.items():
-            v = _speed_verdict(scen, rs, None if key is None else dict(key), names, mem, kld)
-            if v is None:
-                v = _quality_verdict(scen, rs, names, mem)
-            if v is not None:
-                out.append(v)
+            slo = None if key is None else dict(key)
+            fields, left = comparable.partition(rs)
+            made = [v for f in fields for v in [_field_verdict(scen, f, slo, names, mem, kld)] if v is not None]
+            excluded = _left_words(left, names)
+            if not made and not any(D.run_status(r) not in ("skipped",) for r in rs):
+                continue  # only skipped jobs: nothing was measured, and the skip is reported as such
+            if not made:
+                why = (f"{scen}: no two runs can be compared, so no configuration is chosen" if len(rs) > 1
+                       else f"{scen}: nothing usable was measured, so no configuration is chosen") + "."
+                made = [Verdict(scen, (), why, "")]
+            lone = [f for f in fields if len(f.runs) == 1]
+            if len(fields) == 1 and lone and any("identical copy" not in x.reason for x in left):
+                name = names.get(str(lone[0].runs[0].get("label")), "")
+                made[0] = Verdict(scen, (), f"{scen}: no configuration is chosen: {name} is the only run that "
+                                           "can be compared, and nothing measured here is comparable with it.", "")
+            made[0] = Verdict(made[0].scenario, made[0].choice, made[0].why, made[0].caveat, excluded)
+            out += made
     return out
