@@ -188,3 +188,26 @@ def test_failed_and_skipped_jobs_are_named_never_ranked(tmp_path, status):
     b["status"], b["status_reason"] = status, "llama-server exited with status 1"
     v = verdict_of(tmp_path, {"a": a, "b": b})
     assert v["choice"] == [] and any(x.startswith("llama.cpp q8_0") for x in v["excluded"])
+
+
+def test_memory_choosing_a_quantised_dtype_whose_quality_was_not_measured_says_so(tmp_path):
+    a, b = real("fp16"), real("q8_0")
+    same_load(a, b)
+    for lv in a["levels"] + b["levels"]:  # the real levels' own spread: a tie, so memory decides
+        lv["tpot_p95_ms"], lv["tpot_p99_ms"] = lv["tpot_p50_ms"] * 8, lv["tpot_p50_ms"] * 9
+    v = verdict_of(tmp_path, {"a": a, "b": b})
+    assert "so KV memory decides: run llama.cpp q8_0" in v["why"], v["why"]
+    assert ("Its quality was not measured: q8_0 KV is chosen on memory alone; measure its drift from the 16-bit "
+            "cache with `python -m kvexp -m backend=llamacpp kv=fp16,q8_0 scenario=quality`") in v["why"]
+
+
+def test_a_verdict_resting_on_a_client_limited_or_bursty_level_says_so(tmp_path):
+    a, b = real("fp16"), real("q8_0")
+    same_load(a, b)
+    for lv in b["levels"]:
+        lv["client_limited"] = True
+        lv["warnings"] = lv["warnings"] + [{"code": "bursts", "text": "server streamed in bursts", "values": {}}]
+    v = verdict_of(tmp_path, {"a": a, "b": b})
+    assert v["choice"] == ["llama.cpp q8_0"]
+    assert ("the figure it rests on comes from a level flagged client-limited (the load generator, not the server, "
+            "set the pace) and bursty") in v["caveat"]

@@ -207,8 +207,42 @@ def _drift_words(c: Candidate) -> str:
     return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}" if c.drift else ""
 
 
-def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str]) -> str:
+# KV dtypes that are not quantised: choosing one costs no quality worth measuring.
+SIXTEEN_BIT = {"fp16", "f16", "bf16", "fp32", "f32", "auto", "float16", "bfloat16", "float32"}
+# Level warnings that make the figure a verdict rests on the client's or the delivery's, not the server's.
+FLAG_WORDS = {"client_limited": "client-limited (the load generator, not the server, set the pace)",
+              "bursts": "bursty (the server streamed in bursts: client TPOT reflects delivery)"}
+
+
+def _unmeasured_words(c: Candidate) -> str:
+    """For a quantised KV dtype chosen on memory whose drift no run measured: say so and how to measure it."""
+    kv = D.kv_name(c.run).name
+    if c.drift is not None or kv is None or kv.lower() in SIXTEEN_BIT or c.run.get("tool"):
+        return ""
+    return (f" Its quality was not measured: {kv} KV is chosen on memory alone; measure its drift from the 16-bit "
+            f"cache with `python -m kvexp -m backend={c.run.get('backend')} kv=fp16,{kv} scenario=quality` "
+            f"(a mean KLD above {DRIFT_LIMIT:g} is visible drift) before relying on it.")
+
+
+def _flag_words(chosen: list[Candidate]) -> str:
+    codes = []
+    for c in chosen:
+        lv = c.level or {}
+        found = {w.get("code") for w in lv.get("warnings") or [] if isinstance(w, dict)}
+        if lv.get("client_limited") is True:
+            found.add("client_limited")
+        codes += [k for k in FLAG_WORDS if k in found and k not in codes]
+    if not codes:
+        return ""
+    return "the figure it rests on comes from a level flagged " + " and ".join(FLAG_WORDS[k] for k in codes)
+
+
+def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
+            chosen: Optional[list[Candidate]] = None) -> str:
     parts = []
+    flags = _flag_words(chosen or [])
+    if flags:
+        parts.append(flags)
     repeated = all(len(noise.repeat_values(r, lv, "throughput_tok_s")) >= 2
                    for r in runs for lv in D.sorted_levels(r)[:1])
     thresholds = [v.threshold_pct for v in verdicts if v is not None and v.threshold_pct is not None]
@@ -263,7 +297,7 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
         if extra:
             text = "; ".join(extra)
             why += f" {text[0].upper()}{text[1:]}."
-        return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names))
+        return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names, [first]))
     figures = ", ".join(f"{c.name} {_fmt_fig(c, slo)}" for c in ordered)
     dispersed = any(v is not None and v.dispersed for v in verdicts)
     tie = (f"{scenario}: by {basis}, {len(tied)} configurations cannot be told apart ({figures}: "
@@ -273,7 +307,7 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
         why = f"{tie}, so KV memory decides: run {first.name}{_where(first)}; {_memory_words(first, ordered[1:])}"
         if first.drift:
             why += f", with {_drift_words(first)}"
-        why += "."
+        why += "." + _unmeasured_words(first)
         choice: tuple[str, ...] = (first.name,)
     elif how == "drift":
         why = (f"{tie}, so quality decides: run {first.name}{_where(first)}, {_drift_words(first)} against "
@@ -287,7 +321,7 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
     else:
         why = f"{tie}, and nothing measured tells them apart: either will do."
         choice = tuple(c.name for c in ordered)
-    return Verdict(scenario, choice, why, _caveat(runs, verdicts, names))
+    return Verdict(scenario, choice, why, _caveat(runs, verdicts, names, [c for c in ordered if c.name in choice]))
 
 
 def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) -> Optional[Verdict]:
