@@ -211,3 +211,35 @@ def test_a_verdict_resting_on_a_client_limited_or_bursty_level_says_so(tmp_path)
     assert v["choice"] == ["llama.cpp q8_0"]
     assert ("the figure it rests on comes from a level flagged client-limited (the load generator, not the server, "
             "set the pace) and bursty") in v["caveat"]
+
+
+def test_the_kv_dtype_card_on_real_runs_and_a_slowdown_beyond_the_noise_names_its_phase(tmp_path):
+    from kvexp.report.render import render_report
+
+    a, b = real("fp16"), real("q8_0")
+    same_load(a, b)
+    for la, lb in zip(a["levels"], b["levels"]):
+        for d in (la, lb):  # a tight spread: a 5 % minimum effect is the noise
+            d["ttft_p95_ms"] = d["ttft_p99_ms"] = d["ttft_p50_ms"] * 1.01
+            d["tpot_p95_ms"] = d["tpot_p99_ms"] = d["tpot_p50_ms"] * 1.01
+        lb["ttft_p50_ms"], lb["ttft_p95_ms"], lb["ttft_p99_ms"] = (la["ttft_p50_ms"] * 1.5,) * 3
+        lb["tpot_p50_ms"] = la["tpot_p50_ms"] * 1.02
+        lb["tpot_p95_ms"] = lb["tpot_p99_ms"] = lb["tpot_p50_ms"] * 1.01
+    agg = collect(write(tmp_path, {"a": a, "b": b}))
+    (card,) = agg["kv_cards"]
+    base, q8 = card["rows"]
+    assert (base["kv"], base["kv_bytes_per_token"], q8["kv"], q8["kv_bytes_per_token"]) == ("fp16", 23040, "q8_0", 12240)
+    assert q8["tokens_in_same_memory"] == 11796480 // 12240 and q8["rotation"] == "rotated"
+    assert [(c["x"], c["change_pct"], c["beyond_noise"]) for c in q8["ttft_change"]] == [(1, 50.0, True), (2, 50.0, True)]
+    assert [(c["x"], c["change_pct"], c["beyond_noise"]) for c in q8["tpot_change"]] == [(1, 2.0, False), (2, 2.0, False)]
+    (f,) = [f for f in compute_findings(agg) if f.kind == "kv_slowdown"]
+    assert f.sentence.startswith("llama.cpp q8_0 KV vs fp16 (smoke, SmolLM2-135M-Instruct.Q4_1.gguf): prefill is "
+                                 "slower, TTFT p50 +50.0 % at concurrency 1 (beyond the 5 % noise)")
+    render_report(agg, tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    quality = md.split("## Quality", 1)[1]
+    assert quality.split("\n###", 2)[1].startswith(" The KV-dtype card: llama.cpp, SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "| q8_0 | rotated | 12,240 | 963 (1.88×) | 1: +50.0 % (beyond the 5 % noise)" in quality
+    assert json.loads((tmp_path / "report" / "comparison.json").read_text())["kv_cards"] == agg["kv_cards"]
+    csv_text = (tmp_path / "report" / "comparison.csv").read_text()
+    assert "card_ttft_p50_change_pct" in csv_text.splitlines()[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from kvexp.analysis.card import kv_cards
 from kvexp.analysis.recommend import recommendations
 from kvexp.analysis.verdict import verdicts
 from kvexp.core import __version__
@@ -61,6 +62,7 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
     }
     agg["recommendations"] = recommendations(agg)
     agg["verdicts"] = [v.to_json() for v in verdicts(agg)]
+    agg["kv_cards"] = kv_cards(agg)
     validate_document(agg, "aggregate", where="aggregate")
     return agg
 

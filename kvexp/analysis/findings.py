@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 from kvexp.analysis import noise
 from kvexp.analysis.conditions import setup_difference
+from kvexp.analysis.card import card_findings, kv_cards
 from kvexp.analysis.documents import (Finding, backend_name, caps_output_only, exposes, first_line, fmt_x, kv_name, num,
                                       run_kind, run_status, scenarios, sorted_levels, usable, x_words)
 from kvexp.analysis.qualityfindings import quality_findings
@@ -372,6 +373,7 @@ def compute_findings(aggregate: dict) -> list[Finding]:
     for scen, srun in groups:
         out += kv_gains(scen, srun, kv_bytes)
     out += quality_findings(aggregate)
+    out += card_findings(kv_cards(aggregate))
     for scen, srun in groups:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:

@@ -90,6 +90,12 @@ def short_names(runs: list[dict]) -> dict[str, str]:
 
 
 def bytes_per_token(run: dict) -> Optional[float]:
+    """The run's KV bytes per token, one figure everywhere it is printed: the planner's (the model's layers,
+    KV heads and head size at the KV dtype's bytes per element, as the planner page shows it), else the
+    server's KV bytes over its token capacity (a paged pool's padding makes that a few bytes more)."""
+    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
+    if is_num(p.get("kv_bytes_per_token")) and p["kv_bytes_per_token"] > 0:
+        return float(p["kv_bytes_per_token"])
     kv = run.get("kv_cache") or {}
     b, t = kv.get("bytes"), kv.get("capacity_tokens")
     return float(b) / float(t) if is_num(b) and is_num(t) and t > 0 else None
