@@ -72,7 +72,9 @@ def one_line_error(e: BaseException) -> str:
     cause = e.__cause__ or e
     m = re.search(r"Could not find '(\w+)/([^']*)'", f"{e}\n{cause}")
     if m and m.group(1) in GROUPS:
-        return f"{m.group(1)}={m.group(2)}: no such option; allowed values are {', '.join(_options(m.group(1)))}"
+        pairs = " (or a K/V pair <K>/<V> of two of them for llama.cpp, e.g. q8_0/q4_0)" if m.group(1) == "kv" else ""
+        return (f"{m.group(1)}={m.group(2)}: no such option; allowed values are "
+                f"{', '.join(_options(m.group(1)))}{pairs}")
     text = str(cause).strip()
     first = text.splitlines()[0] if text else type(cause).__name__
     full = getattr(cause, "full_key", None)

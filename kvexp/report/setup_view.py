@@ -129,7 +129,7 @@ def setup_view(agg: dict) -> dict:
             format_value("kv_gib", _gib(kv.get("bytes"))),
             # a share of GPU memory means nothing on a run without a GPU (vLLM's CPU build still reports one)
             format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization") if r.get("gpu") else None),
-            format_value("max_concurrency", kv.get("max_concurrency")),
+            _max_concurrency(r),
             ", ".join(map(str, src)) if isinstance(src, list) else format_value("source", src),
         ])
     # Runs whose server reported nothing about its KV cache are named in one line, not a row of dashes.
@@ -153,7 +153,9 @@ def setup_view(agg: dict) -> dict:
                            for k, v in sorted(xs.items())) or "—"
         prompts = ", ".join(format_value("prompt_tokens", p) for p in uniq(r.get("prompt_tokens") for r in sruns))
         maxes = ", ".join(format_value("max_tokens", p) for p in uniq(r.get("max_tokens") for r in sruns))
-        scen_rows.append([scen, prompts or "—", maxes or "—", levels, str(len(sruns))])
+        ran = sum(D.run_status(r) != "skipped" for r in sruns)  # a skipped job is no run
+        scen_rows.append([scen, prompts or "—", maxes or "—", levels,
+                          str(ran) + (f" ({len(sruns) - ran} skipped)" if ran < len(sruns) else "")])
     scen_table = Table(["Scenario", "Prompt tokens", "Max tokens", "Levels", "Runs"], scen_rows,
                        [False, True, True, False, True])
 
@@ -185,3 +187,18 @@ def foreign_view(runs: list[dict]) -> list[dict]:
         t["not_recorded"] = ", ".join(t["not_recorded"])
     return list(out.values())
 
+
+
+def _max_concurrency(run: dict) -> str:
+    """One figure for a run's max concurrency: the planner's (requests of this scenario's size before
+    preemption, as findings quote it), with the server's own beside it where it differs and why (vLLM
+    sizes its figure for requests of its full context)."""
+    kv = run.get("kv_cache") or {}
+    plan = run.get("planner") if isinstance(run.get("planner"), dict) else {}
+    ours, theirs = plan.get("max_concurrency_before_preemption"), kv.get("max_concurrency")
+    if not is_num(ours):
+        return format_value("max_concurrency", theirs)
+    text = format_value("max_concurrency", ours)
+    if is_num(theirs) and format_value("max_concurrency", theirs) != text:
+        text += f" (server: {format_value('max_concurrency', theirs)} for requests of its full context)"
+    return text
