@@ -243,3 +243,13 @@ def test_the_kv_dtype_card_on_real_runs_and_a_slowdown_beyond_the_noise_names_it
     assert json.loads((tmp_path / "report" / "comparison.json").read_text())["kv_cards"] == agg["kv_cards"]
     csv_text = (tmp_path / "report" / "comparison.csv").read_text()
     assert "card_ttft_p50_change_pct" in csv_text.splitlines()[0]
+
+
+def test_a_model_served_by_two_backends_is_named_once_with_each_backends_weights(tmp_path):
+    from kvexp.report.setup_view import default_title
+
+    a = real("fp16")
+    v = json.loads((FIXTURES / "foreign" / "kvexp" / "result.json").read_text())  # a real vLLM job (tiny, smoke)
+    v["model"].update(path="/models/SmolLM2-135M-Instruct.Q4_1-bf16-b179c9523d0e", weights_format="bfloat16")
+    title = default_title(collect(write(tmp_path, {"a": a, "v": v})))
+    assert title.endswith("— SmolLM2-135M-Instruct.Q4_1 (llama.cpp: GGUF Q4_1, 5.74 bits/weight; vLLM: bfloat16)")

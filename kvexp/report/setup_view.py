@@ -4,6 +4,7 @@ commands; and the report's default title."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any, Optional
 
@@ -44,10 +45,28 @@ def _plain(v: object) -> str:
     return "—" if v is None else str(v)
 
 
+# A checkpoint kvexp dequantised from a GGUF for vLLM is named after it: <GGUF stem>-<dtype>-<sha256 prefix>.
+_DEQUANTISED = re.compile(r"^(?P<stem>.+)-(bf16|fp16|f16|float16|bfloat16)-[0-9a-f]{12}$")
+
+
+def _model_stem(model: Any) -> str:
+    name = _short_model(model)
+    m = _DEQUANTISED.match(name)
+    return m.group("stem") if m else name.removesuffix(".gguf")
+
+
 def default_title(aggregate: dict) -> str:
+    """"kvexp comparison — <device> — <model> (llama.cpp: GGUF Q4_1; vLLM: bfloat16)": each model named once,
+    with each backend's weights beside it where backends served it from different files."""
     gpu = device_text(aggregate) or "unknown GPU"
-    models = uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped")
-    what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
+    runs = [r for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped"]
+    models = uniq(_model_stem(r.get("model")) for r in runs)
+    if len(models) == 1:
+        served = uniq(f"{D.backend_name(r.get('backend'))}: {D.weights_display(r)}" for r in runs)
+        files = uniq(_short_model(r.get("model")) for r in runs)
+        what = models[0] + (f" ({'; '.join(served)})" if len(files) > 1 else "")
+    else:
+        what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
     return f"kvexp comparison — {gpu} — {what}"
 
 
