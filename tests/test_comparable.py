@@ -145,6 +145,7 @@ def test_an_slo_the_lowest_level_misses_reads_the_same_in_terminal_and_report(tm
     terminal = end_of_run_text(agg)
     assert "no job measured comparable levels" not in terminal
     assert "TTFT p95 ≤ 10 ms: missed at every level" in terminal
+    assert [ln.split()[-4:] for ln in terminal.splitlines()[-2:]] == [["missed", "at", "every", "level"]] * 2
     render_report(agg, tmp_path / "report")
     report = (tmp_path / "report" / "report.md").read_text()
     assert "TTFT p95 ≤ 10 ms: missed at every level" in report.split("## Verdict", 1)[1].split("##", 1)[0]
