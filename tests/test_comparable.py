@@ -105,6 +105,7 @@ def test_an_interrupted_run_never_wins(tmp_path):
                              "finish (status partial: interrupted (SIGINT) after level 2); a partial run never wins"]
     agg = collect(write(tmp_path / "again", {"a": a, "b": b}))
     assert all(r["best"]["label"] != "llamacpp-smollm2-q8_0-smoke" for r in agg["recommendations"])
+    assert not [f for f in compute_findings(agg) if f.kind.startswith(("best", "kv_gain"))]
 
 
 def test_identical_copies_are_one_run_said_once(tmp_path):
