@@ -72,3 +72,4 @@ def test_llama_perplexity_gets_the_same_ctk_and_ctv():
     assert argv[argv.index("-ctk") + 1] == "q8_0" and argv[argv.index("-ctv") + 1] == "q4_0"
     argv = perplexity_argv("lp", "m.gguf", "t.txt", 512, 4, "q8_0", "on", 1, None, "base.kld", True)
     assert argv[argv.index("-ctk") + 1] == "q8_0" and argv[argv.index("-ctv") + 1] == "q8_0"
+
