@@ -81,7 +81,8 @@ def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
                        **(v.numbers() if v else {})}
             if v is not None and not v.measurable:
                 sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) "
-                            f"and {nxt.get('label')} ({run_kind(nxt)}) show no measurable difference in "
+                            f"and {nxt.get('label')} ({run_kind(nxt)}) "
+                            f"{'cannot be told apart' if v.dispersed else 'show no measurable difference'} in "
                             f"{what.split(' ', 2)[-1]}: {format_value(metric, bv)} vs {format_value(metric, nv)} "
                             f"{unit}{setup_difference(best, nxt)} ({v.reason}).")
             else:

@@ -256,7 +256,8 @@ def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
         noise_part = (noise.DISPERSED if thresholds and max(thresholds) > noise.MAX_THRESHOLD_PCT
                       else f"differences under {max(thresholds):.0f} % are noise here" if thresholds
                       else "no difference can be told from noise")
-        parts.append(f"one run each: {noise_part}; repeat with scenario.repeats=3")
+        parts.append(f"one run each: {noise_part}" + ("" if noise_part == noise.DISPERSED
+                                                      else "; repeat with scenario.repeats=3"))
     weights = sorted({D.weights_display(r) for r in runs} - {"—"})
     models = sorted({str(r.get("model")).rsplit("/", 1)[-1] for r in runs})
     if len(weights) > 1:
