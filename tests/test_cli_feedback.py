@@ -75,7 +75,7 @@ def test_a_sweep_says_what_it_skips_before_the_first_job(fake, tmp_path):
     assert lines[0] == ("kvexp: 1 of 2 jobs cannot run and are recorded as skipped (unsupported=error refuses them "
                         "instead):")
     assert lines[1] == ("kvexp:   skipped llamacpp-tiny-fp8-smoke: kv=fp8 is not available on backend=llamacpp "
-                        "(allowed for llamacpp: bf16, fp16, q4_0, q8_0)")
+                        "(allowed for llamacpp: bf16, fp16, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0)")
     assert any("llamacpp-tiny-fp16-smoke: starting" in line for line in lines[2:])
     docs = [load_document(p)[1] for p in sorted(folder.glob("*/result.json"))]
     assert [(d["label"], d["status"]) for d in docs] == [("llamacpp-tiny-fp16-smoke", "complete"),
@@ -87,7 +87,7 @@ def test_refused_with_one_line_and_nothing_written(fake, tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     assert kvexp(*args, f"backend.binary={fake}") == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["kvexp: kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, q4_0, q8_0)"]
+    assert err == ["kvexp: kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0)"]
     assert not (tmp_path / "outputs").exists()
 
 

@@ -75,12 +75,12 @@ def test_unsupported_pair_can_be_skipped_instead():
 
 
 BAD = [
-    (["kv=fp7"], "kv=fp7: no such option; allowed values are bf16, fp16, fp8, q4_0, q8_0"),
+    (["kv=fp7"], "kv=fp7: no such option; allowed values are bf16, fp16, fp8, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0 (or a K/V pair <K>/<V> of two of them for llama.cpp, e.g. q8_0/q4_0)"),
     (["scenario.concurrency=[1,x]"], "scenario.concurrency[1]: Value 'x' of type 'str' could not be converted to Integer"),
     (["scenario.concurrency=four"], "scenario.concurrency"),
     (["scenario.foo=1"], "scenario.foo: unknown key; allowed keys are api, arrival"),
     (["backend.bogus=3"], "backend.bogus: unknown key"),
-    (["kv=fp8"], "kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, q4_0, q8_0)"),
+    (["kv=fp8"], "kv=fp8 is not available on backend=llamacpp (allowed for llamacpp: bf16, fp16, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0)"),
     (["backend=ollama", "kv=bf16"], "kv=bf16 is not available on backend=ollama (allowed for ollama: fp16, q4_0, q8_0)"),
     (["backend=vllm", "kv=q8_0"], "kv=q8_0 is not available on backend=vllm (allowed for vllm: bf16, fp16, fp8)"),
     (["model=nope"], "model=nope: no such option; allowed values are"),
@@ -106,5 +106,5 @@ def test_bad_config_is_one_line(overrides, expected):
 def test_bad_config_from_the_command_line_exits_1_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvexp", *TINY, "kv=fp7"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1
-    assert p.stderr.strip() == "kvexp: kv=fp7: no such option; allowed values are bf16, fp16, fp8, q4_0, q8_0"
+    assert p.stderr.strip() == "kvexp: kv=fp7: no such option; allowed values are bf16, fp16, fp8, iq4_nl, q4_0, q4_1, q5_0, q5_1, q8_0 (or a K/V pair <K>/<V> of two of them for llama.cpp, e.g. q8_0/q4_0)"
     assert not (tmp_path / "outputs").exists()

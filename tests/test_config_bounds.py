@@ -111,7 +111,7 @@ REFUSED = [
      "scenario.concurrency=[1, 16]: level 16 never has that many", ""),
     (["scenario.concurrency=[1,2]", "scenario.repeats=600"], "scenario.repeats=600 x 2 levels: 1,200 level runs; "
      "allowed at most 1,024 per job", ""),
-    (["kv=q4_0", "backend.flash_attn=off"], "kv=q4_0 (q4_0) with backend.flash_attn=off: llama-server refuses a "
+    (["kv=q4_0", "backend.flash_attn=off"], "kv=q4_0 (-ctv q4_0) with backend.flash_attn=off: llama-server refuses a "
      "quantised V cache without flash attention", "use backend.flash_attn=on or auto"),
     (["model.hf=/nonexistent/hf"], "model.hf: no job of this run serves it (backend=llamacpp serves model.gguf)", ""),
     # settings that nothing in the job would read

@@ -26,7 +26,7 @@ from kvexp.app.compose import check, compose, compose_all, kv_choices
 from kvexp.backends import launched
 from kvexp.core.config import ConfigError
 from kvexp.results.store import load_document
-from kvexp.results.validate import check_file
+from kvexp.results.validate import check_file, config_hash
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
@@ -270,12 +270,13 @@ def test_resume_after_the_spec_itself_changed_changes_nothing(sweep, capsys):
     # as if conf/scenario/smoke.yaml had been edited since: the saved overrides match, a job's hash not
     res = sweep / "1_llamacpp-tiny-q8_0-smoke" / "result.json"
     doc = json.loads(res.read_text())
-    doc["config_hash"] = "0123456789abcdef"
+    doc["config"]["scenario"]["warmup_requests"] += 1  # a result of that other spec: its hash is its config's
+    doc["config_hash"] = config_hash(doc["config"])
     res.write_text(json.dumps(doc, indent=1) + "\n")
     before = snapshot(sweep)
     assert kvexp_main("resume", str(sweep)) == 1
     err = capsys.readouterr().err
-    assert "job llamacpp-tiny-q8_0-smoke: config hash 0123456789abcdef, now" in err
+    assert f"job llamacpp-tiny-q8_0-smoke: config hash {doc['config_hash']}, now" in err
     assert snapshot(sweep) == before
 
 

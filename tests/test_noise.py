@@ -74,8 +74,8 @@ def test_runs_under_different_machine_load_are_never_called_different():
     assert v.reason == ("not comparable: the machine's load differed between the runs "
                         "(load 0.6 on 2 cores vs load 2.4 on 2 cores)")
     texts = [f.sentence for f in F.compute_findings({"runs": [a, b]})]
-    (gain,) = [t for t in texts if "KV changes throughput" in t]
-    assert "not comparable: the machine's load differed" in gain and "a measurable difference" not in gain
+    # findings set runs against each other only within a field of comparable runs (comparable.partition)
+    assert not [t for t in texts if "KV changes throughput" in t or "highest throughput" in t]
     assert not any("a measurable difference" in t for t in texts)
     b["levels"][0]["machine"] = dict(calm)
     assert noise.compare(a, a["levels"][0], b, b["levels"][0]).measurable

@@ -121,3 +121,17 @@ def test_a_server_gets_as_many_threads_as_cpus_by_default():
     if a.placement.server_cpus:
         assert a.threads == len(a.placement.server_cpus) and a.spec.cpus == a.placement.server_cpus
     assert create(cfg("backend.threads=3"), locate=False).threads == 3
+
+
+def test_a_sweep_over_several_backends_places_every_server_alike():
+    from kvexp.app.compose import fair_field
+
+    assert fair_field(["backend=vllm,llamacpp", "kv=fp16,fp8"]) == "client.placement=shared"
+    assert fair_field(["backend=llamacpp", "kv=fp16,q8_0"]) is None
+    assert fair_field(["backend=vllm,llamacpp", "client.placement=split"]) is None
+    from kvexp.app.compose import compose
+
+    cfg = compose(["backend=vllm", "scenario=smoke", "client.placement=shared"])
+    from kvexp.core import placement
+
+    assert placement.plan(cfg).mode == "shared"

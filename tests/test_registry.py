@@ -19,7 +19,7 @@ from kvexp.metrics import levels, registry, stats
 from kvexp.report.render import render_report
 from kvexp.report.summary import render_job_summary, write_sweep_outputs
 from kvexp.report.tables import NESTED_LEVEL_BLOCKS
-from kvexp.results.validate import errors_of
+from kvexp.results.validate import config_hash, errors_of
 
 FIX = Path(__file__).parent / "fixtures" / "foreign"
 KVEXP_RESULT = FIX / "kvexp" / "result.json"  # kvexp's own run of a real (tiny) vLLM server
@@ -62,6 +62,7 @@ def enriched_result() -> dict:
                   peak_kv_cache_usage=None, preemptions=None, throughput_tok_s=None)
     lv.append(failed)
     res["config"]["scenario"]["repeats"] = 2
+    res["config_hash"] = config_hash(res["config"])  # as a job run with repeats=2 records it
     assert errors_of(res, "result") == []
     return res
 

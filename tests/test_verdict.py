@@ -27,7 +27,8 @@ def level(c, tput, spread=0.02, **kw):
 def run(label, kv, tputs, bytes_per_token=None, backend="llamacpp", model="m.gguf", scenario="chat", quality=None,
         spread=0.02):
     r = {"label": label, "backend": backend, "model": model, "scenario": scenario, "kv_requested": kv,
-         "kv_cache": {"capacity_tokens": 1000, "bytes": None if bytes_per_token is None else bytes_per_token * 1000},
+         "kv_cache": {"dtype": kv, "capacity_tokens": 1000,
+                      "bytes": None if bytes_per_token is None else bytes_per_token * 1000},
          "levels": [level(c, t, spread) for c, t in tputs], "status": "complete"}
     if quality is not None:
         r["quality"] = {"kv": kv, "baseline": {"kv": "fp16"},
@@ -150,24 +151,25 @@ def test_a_lead_measured_under_other_machine_load_is_not_a_winner():
     a["levels"][0]["machine"] = {"load_avg_1m": 1.9, "cores": 2, "busy_share": 0.9, "steal_share": 0.0}
     b["levels"][0]["machine"] = {"load_avg_1m": 4.1, "cores": 2, "busy_share": 1.0, "steal_share": 0.12}
     (v,) = verdicts({"runs": [a, b]})
-    assert "leads" not in v.why and "tie" in v.why
-    assert "the machine's load differed between runs (llama.cpp fp16: load 1.9 on 2 cores; llama.cpp q8_0: load " \
-           "4.1 on 2 cores, CPU steal 12 %)" in v.caveat
+    assert "leads" not in v.why and "tie" not in v.why and v.choice == ()
+    assert ("llama.cpp q8_0 (b): not compared, because the machine's load differed (load 4.1 on 2 cores, CPU steal "
+            "12 % here, load 1.9 on 2 cores for a): not comparable") in v.excluded
     b["levels"][0]["machine"] = dict(a["levels"][0]["machine"])
     (v,) = verdicts({"runs": [a, b]})
-    assert "leads" in v.why and "load" not in v.caveat
+    assert "leads" in v.why and "load" not in v.caveat and not v.excluded
 
 
-def test_a_kv_dtype_the_server_did_not_confirm_is_named_in_the_caveat():
+def test_a_kv_dtype_the_server_did_not_confirm_is_not_compared():
     a, b = run("a", "fp16", [(4, 300)], 512), run("b", "q8_0", [(4, 200)], 272)
-    a["kv_cache"]["dtype"] = "f16"
+    b["kv_cache"]["dtype"] = None
     (v,) = verdicts({"runs": [a, b]})
-    assert "the server did not confirm the KV dtype of llama.cpp q8_0 (what was asked, not what ran)" in v.caveat
+    assert v.choice == () and v.excluded == ("llama.cpp q8_0 (b): not compared, because its server did not confirm "
+                                             "the KV dtype asked for (q8_0): what ran is not known",)
     (f,) = [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
     assert f.runs == (str(b["label"]),) and "did not confirm its KV dtype (asked: q8_0)" in f.sentence
     b["kv_cache"]["dtype"] = "q8_0"
     (v,) = verdicts({"runs": [a, b]})
-    assert "confirm" not in v.caveat
+    assert "confirm" not in v.caveat and not v.excluded
     assert not [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from kvexp.analysis.card import kv_cards
 from kvexp.analysis.recommend import recommendations
 from kvexp.analysis.verdict import verdicts
 from kvexp.core import __version__
@@ -61,6 +62,7 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
     }
     agg["recommendations"] = recommendations(agg)
     agg["verdicts"] = [v.to_json() for v in verdicts(agg)]
+    agg["kv_cards"] = kv_cards(agg)
     validate_document(agg, "aggregate", where="aggregate")
     return agg
 
@@ -90,6 +92,7 @@ def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
         "kv_requested": result["kv"]["requested"],
         "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
         "numerics": (result.get("server") or {}).get("numerics"),
+        "placement": (result.get("environment") or {}).get("placement"),
         "reused_server": result["backend"]["reused_server"],
         "planner": result.get("planner"),
         "quality": result.get("quality"),

@@ -39,7 +39,8 @@ def loads_differ(loads: list[Load]) -> bool:
 
 def load_words(v: Load) -> str:
     load, steal, cores = v
-    return f"load {load:.1f} on {cores} cores" + (f", CPU steal {steal * 100:.0f} %" if steal else "")
+    return (f"load {load:.1f} on {cores} core{'s' if cores != 1 else ''}"
+            + (f", CPU steal {steal * 100:.0f} %" if steal >= 0.005 else ""))
 
 
 def load_difference(run_a: dict, run_b: dict) -> Optional[str]:

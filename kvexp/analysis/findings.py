@@ -13,6 +13,8 @@ from typing import Iterable, Optional
 
 from kvexp.analysis import noise
 from kvexp.analysis.conditions import setup_difference
+from kvexp.analysis.card import card_findings, kv_cards
+from kvexp.analysis.comparable import partition
 from kvexp.analysis.documents import (Finding, backend_name, caps_output_only, exposes, first_line, fmt_x, kv_name, num,
                                       run_kind, run_status, scenarios, sorted_levels, usable, x_words)
 from kvexp.analysis.qualityfindings import quality_findings
@@ -79,7 +81,8 @@ def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
                        **(v.numbers() if v else {})}
             if v is not None and not v.measurable:
                 sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) "
-                            f"and {nxt.get('label')} ({run_kind(nxt)}) show no measurable difference in "
+                            f"and {nxt.get('label')} ({run_kind(nxt)}) "
+                            f"{'cannot be told apart' if v.dispersed else 'show no measurable difference'} in "
                             f"{what.split(' ', 2)[-1]}: {format_value(metric, bv)} vs {format_value(metric, nv)} "
                             f"{unit}{setup_difference(best, nxt)} ({v.reason}).")
             else:
@@ -367,11 +370,15 @@ def compute_findings(aggregate: dict) -> list[Finding]:
     for run in runs:
         out += failures(run)
     groups = scenarios(aggregate)
-    for scen, srun in groups:
+    # runs set against each other only within a field of comparable runs (comparable.partition): a partial,
+    # copied or unconfirmed run, other weights or other machine load are never "the best"
+    fields = [(scen, list(f.runs)) for scen, srun in groups for f in partition(srun)[0]]
+    for scen, srun in fields:
         out += best_overall(scen, srun)
-    for scen, srun in groups:
+    for scen, srun in fields:
         out += kv_gains(scen, srun, kv_bytes)
     out += quality_findings(aggregate)
+    out += card_findings(kv_cards(aggregate))
     for scen, srun in groups:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:
@@ -381,6 +388,6 @@ def compute_findings(aggregate: dict) -> list[Finding]:
     ne = not_exposed(runs)
     if ne:
         out.append(ne)
-    for scen, srun in groups:
+    for scen, srun in fields:
         out += best_per_level(scen, srun)
     return out

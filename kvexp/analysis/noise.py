@@ -24,6 +24,10 @@ from kvexp.metrics import registry
 from kvexp.metrics.stats import repeat_summary
 
 MIN_EFFECT = 0.05  # the smallest relative difference called a difference without repeats
+# A threshold above this is no threshold a reader can act on: the level is too dispersed to compare.
+MAX_THRESHOLD_PCT = 100.0
+DISPERSED = ("a level too dispersed to compare: run scenario.repeats=3 or more requests per level "
+             "(scenario.requests)")
 Z95 = 1.96
 Z_P95 = 1.645  # a normal distribution's p95 lies 1.645 sd above its median
 
@@ -45,7 +49,14 @@ class Verdict:
     conditions: Optional[str] = None  # basis "machine load": the two runs' load, in words
 
     @property
+    def dispersed(self) -> bool:
+        """Without repeats, a level's own spread implies a threshold above MAX_THRESHOLD_PCT."""
+        return self.threshold_pct is not None and self.threshold_pct > MAX_THRESHOLD_PCT
+
+    @property
     def label(self) -> str:
+        if self.dispersed:
+            return "not comparable"
         return "a measurable difference" if self.measurable else "no measurable difference"
 
     @property
@@ -58,6 +69,8 @@ class Verdict:
             ci = f"{self.a:.1f} ± {self.ci_a:.1f} vs {self.b:.1f} ± {self.ci_b:.1f} {unit}".rstrip()
             return f"the repeats' 95 % CIs {'do not overlap' if self.measurable else 'overlap'}: {ci}"
         diff = "—" if self.diff_pct is None else f"{self.diff_pct:+.1f} %"
+        if self.dispersed:
+            return f"{diff}, but {DISPERSED}"
         return (f"{diff} {'exceeds' if self.measurable else 'is within'} the noise threshold of "
                 f"{self.threshold_pct:.1f} %: without repeats, the larger of a {MIN_EFFECT * 100:.0f} % minimum "
                 f"effect and the levels' own dispersion")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvexp.analysis import documents as D, noise
+from kvexp.analysis import comparable, documents as D, noise
 from kvexp.metrics import search
 from kvexp.metrics.levels import level_x
 
@@ -27,6 +27,21 @@ def slo_of(run: dict) -> Optional[dict[str, Any]]:
         return None
     return {"slo_ttft_ms": o.get("slo_ttft_ms"), "slo_tpot_ms": o.get("slo_tpot_ms"),
             "percentile": o.get("percentile") or "p95"}
+
+
+# The SLO outcome in the same words wherever it is printed (terminal, summary, report, verdict).
+SLO_NOT_SET = "no latency objective set"
+SLO_MISSED = "missed at every level"
+
+
+def slo_outcome(cap: Optional[dict[str, Any]]) -> str:
+    """"met at 4 concurrent requests", "missed at every level" or "no latency objective set" for a run's
+    capacity (capacity(run, slo); None: no objective)."""
+    if cap is None:
+        return SLO_NOT_SET
+    if cap["capacity"] is None:
+        return SLO_MISSED
+    return f"met at {_fmt_x(cap['kind'], cap['capacity'])}"
 
 
 def slo_text(slo: Optional[dict[str, Any]]) -> str:
@@ -139,12 +154,14 @@ def with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, 
         closest = min((rc for rc in caps if rc[1]["miss_pct"] is not None), key=lambda rc: rc[1]["miss_pct"],
                       default=None)
         if closest is None:
-            out["sentence"] = f"{head}: nothing meets the objectives, and no level has the figures to say by how much."
+            out["sentence"] = (f"{head}: {SLO_MISSED}: nothing meets the objectives, and no level has the figures "
+                               "to say by how much.")
             return out
         r, c = closest
         out["miss"] = {"label": str(r.get("label")), "at": c["miss_at"], "kind": c["kind"], "miss_pct": c["miss_pct"],
                        "figure": c["miss_what"]}
-        out["sentence"] = (f"{head}: nothing meets the objectives; the closest, {r.get('label')} ({D.run_kind(r)}), "
+        out["sentence"] = (f"{head}: {SLO_MISSED}: nothing meets the objectives; the closest, {r.get('label')} "
+                           f"({D.run_kind(r)}), "
                            f"misses by {c['miss_pct']:g} % at its lowest level ({D.x_words(c['kind'])} "
                            f"{c['miss_at']:g}: {c['miss_what']}).")
         return out
@@ -218,20 +235,19 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
 
 
 def recommendations(aggregate: dict) -> list[dict[str, Any]]:
-    """One recommendation per scenario and SLO (schema/aggregate.schema.json `recommendations`)."""
+    """One recommendation per scenario, SLO and field of comparable runs (comparable.partition: partial,
+    failed and skipped runs, copies, unconfirmed KV dtypes, other weights or machine load are not ranked)
+    (schema/aggregate.schema.json `recommendations`)."""
     out: list[dict[str, Any]] = []
     for scen, runs in D.scenarios(aggregate):
-        usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]
-        groups: dict[tuple, list[dict]] = {}
-        for r in usable:
+        groups: dict[Any, list[dict]] = {}
+        for r in runs:
             slo = slo_of(r)
-            if slo is not None:
-                groups.setdefault(tuple(sorted(slo.items())), []).append(r)
-        if groups:
-            for key, rs in groups.items():
-                out.append(with_slo(scen, dict(key), rs))
-        else:
-            rec = _without_slo(scen, usable)
-            if rec is not None:
-                out.append(rec)
+            groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
+        slo_keys = [k for k in groups if k is not None]
+        for key in slo_keys or [None]:
+            for f in comparable.partition(groups.get(key) or [])[0]:
+                rec = with_slo(scen, dict(key), list(f.runs)) if key is not None else _without_slo(scen, list(f.runs))
+                if rec is not None:
+                    out.append(rec)
     return out

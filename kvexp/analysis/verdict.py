@@ -13,6 +13,10 @@ How a verdict is reached, in order:
    more capacity in the same memory, which is why one picks a smaller KV dtype.
 4. Then lower drift, then throughput. Configurations left equal on every count are named together.
 
+Before any of this, comparable.partition decides which runs can be compared at all (same workload, weights,
+CPU placement and machine load; complete; KV dtype confirmed; one copy of each document): the verdict picks
+only within such a field, and every run left out is named under it with its one reason.
+
 The caveat names what limits the verdict: one run each (and the noise threshold that implies), runs of
 different weights, model files or engine builds, and machine load that differed between runs (a lead
 measured under other load is not called one)."""
@@ -22,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvexp.analysis import conditions as C, documents as D, noise, recommend
+from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
 from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
@@ -48,13 +52,16 @@ class Verdict:
     choice: tuple[str, ...]  # short names of the configuration(s) to run; () when nothing can be said
     why: str
     caveat: str
+    excluded: tuple[str, ...] = ()  # "llama.cpp q8_0 (label): not compared, because ...", one per run left out
 
     @property
     def sentence(self) -> str:
-        return " ".join(s for s in (self.why, self.caveat) if s)
+        left = ("; ".join(self.excluded) + ".") if self.excluded else ""
+        return " ".join(s for s in (self.why, self.caveat, left) if s)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat}
+        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat,
+                "excluded": list(self.excluded)}
 
 
 def short_names(runs: list[dict]) -> dict[str, str]:
@@ -83,6 +90,12 @@ def short_names(runs: list[dict]) -> dict[str, str]:
 
 
 def bytes_per_token(run: dict) -> Optional[float]:
+    """The run's KV bytes per token, one figure everywhere it is printed: the planner's (the model's layers,
+    KV heads and head size at the KV dtype's bytes per element, as the planner page shows it), else the
+    server's KV bytes over its token capacity (a paged pool's padding makes that a few bytes more)."""
+    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
+    if is_num(p.get("kv_bytes_per_token")) and p["kv_bytes_per_token"] > 0:
+        return float(p["kv_bytes_per_token"])
     kv = run.get("kv_cache") or {}
     b, t = kv.get("bytes"), kv.get("capacity_tokens")
     return float(b) / float(t) if is_num(b) and is_num(t) and t > 0 else None
@@ -200,15 +213,51 @@ def _drift_words(c: Candidate) -> str:
     return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}" if c.drift else ""
 
 
-def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str]) -> str:
+# KV dtypes that are not quantised: choosing one costs no quality worth measuring.
+SIXTEEN_BIT = {"fp16", "f16", "bf16", "fp32", "f32", "auto", "float16", "bfloat16", "float32"}
+# Level warnings that make the figure a verdict rests on the client's or the delivery's, not the server's.
+FLAG_WORDS = {"client_limited": "client-limited (the load generator, not the server, set the pace)",
+              "bursts": "bursty (the server streamed in bursts: client TPOT reflects delivery)"}
+
+
+def _unmeasured_words(c: Candidate) -> str:
+    """For a quantised KV dtype chosen on memory whose drift no run measured: say so and how to measure it."""
+    kv = D.kv_name(c.run).name
+    if c.drift is not None or kv is None or kv.lower() in SIXTEEN_BIT or c.run.get("tool"):
+        return ""
+    return (f" Its quality was not measured: {kv} KV is chosen on memory alone; measure its drift from the 16-bit "
+            f"cache with `python -m kvexp -m backend={c.run.get('backend')} kv=fp16,{kv} scenario=quality` "
+            f"(a mean KLD above {DRIFT_LIMIT:g} is visible drift) before relying on it.")
+
+
+def _flag_words(chosen: list[Candidate]) -> str:
+    codes = []
+    for c in chosen:
+        lv = c.level or {}
+        found = {w.get("code") for w in lv.get("warnings") or [] if isinstance(w, dict)}
+        if lv.get("client_limited") is True:
+            found.add("client_limited")
+        codes += [k for k in FLAG_WORDS if k in found and k not in codes]
+    if not codes:
+        return ""
+    return "the figure it rests on comes from a level flagged " + " and ".join(FLAG_WORDS[k] for k in codes)
+
+
+def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
+            chosen: Optional[list[Candidate]] = None) -> str:
     parts = []
+    flags = _flag_words(chosen or [])
+    if flags:
+        parts.append(flags)
     repeated = all(len(noise.repeat_values(r, lv, "throughput_tok_s")) >= 2
                    for r in runs for lv in D.sorted_levels(r)[:1])
     thresholds = [v.threshold_pct for v in verdicts if v is not None and v.threshold_pct is not None]
     if not repeated:
-        noise_part = (f"differences under {max(thresholds):.0f} % are noise here" if thresholds
+        noise_part = (noise.DISPERSED if thresholds and max(thresholds) > noise.MAX_THRESHOLD_PCT
+                      else f"differences under {max(thresholds):.0f} % are noise here" if thresholds
                       else "no difference can be told from noise")
-        parts.append(f"one run each: {noise_part}; repeat with scenario.repeats=3")
+        parts.append(f"one run each: {noise_part}" + ("" if noise_part == noise.DISPERSED
+                                                      else "; repeat with scenario.repeats=3"))
     weights = sorted({D.weights_display(r) for r in runs} - {"—"})
     models = sorted({str(r.get("model")).rsplit("/", 1)[-1] for r in runs})
     if len(weights) > 1:
@@ -255,14 +304,17 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
         if extra:
             text = "; ".join(extra)
             why += f" {text[0].upper()}{text[1:]}."
-        return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names))
+        return Verdict(scenario, (first.name,), why, _caveat(runs, verdicts, names, [first]))
     figures = ", ".join(f"{c.name} {_fmt_fig(c, slo)}" for c in ordered)
-    tie = f"{scenario}: by {basis}, {len(tied)} configurations tie ({figures}: no measurable difference)"
+    dispersed = any(v is not None and v.dispersed for v in verdicts)
+    tie = (f"{scenario}: by {basis}, {len(tied)} configurations cannot be told apart ({figures}: "
+           f"{noise.DISPERSED})" if dispersed else
+           f"{scenario}: by {basis}, {len(tied)} configurations tie ({figures}: no measurable difference)")
     if how == "memory":
         why = f"{tie}, so KV memory decides: run {first.name}{_where(first)}; {_memory_words(first, ordered[1:])}"
         if first.drift:
             why += f", with {_drift_words(first)}"
-        why += "."
+        why += "." + _unmeasured_words(first)
         choice: tuple[str, ...] = (first.name,)
     elif how == "drift":
         why = (f"{tie}, so quality decides: run {first.name}{_where(first)}, {_drift_words(first)} against "
@@ -276,7 +328,7 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
     else:
         why = f"{tie}, and nothing measured tells them apart: either will do."
         choice = tuple(c.name for c in ordered)
-    return Verdict(scenario, choice, why, _caveat(runs, verdicts, names))
+    return Verdict(scenario, choice, why, _caveat(runs, verdicts, names, [c for c in ordered if c.name in choice]))
 
 
 def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) -> Optional[Verdict]:
@@ -298,25 +350,73 @@ def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) ->
     return Verdict(scenario, (first.name,), why, "")
 
 
+def _left_words(left: list[comparable.Left], names: dict[str, str]) -> tuple[str, ...]:
+    out = []
+    for x in left:
+        name = names.get(x.label, x.label)
+        who = name if x.label in name else f"{name} ({x.label})"
+        out.append(f"{who}: not compared, because {x.reason}")
+    return tuple(out)
+
+
+def _cross_words(f: comparable.Field) -> str:
+    return ("Engines and weights differ together here (" + "; ".join(f.engines) + "): a difference below is the "
+            "engine's and its weights' together, not the KV dtype's alone. ")
+
+
+def _missed(scenario: str, runs: list[dict], slo: dict, names: dict) -> Optional[Verdict]:
+    """Every run of a field misses the objectives at its lowest level: say so, and by how much the closest does."""
+    caps = [(r, recommend.capacity(r, slo)) for r in runs]
+    if any(c["capacity"] is not None for _, c in caps) or not any(c["miss_pct"] is not None for _, c in caps):
+        return None
+    r, c = min(((r, c) for r, c in caps if c["miss_pct"] is not None), key=lambda rc: rc[1]["miss_pct"])
+    why = (f"{scenario}, {recommend.slo_text(slo)}: {recommend.SLO_MISSED}: no configuration meets the objectives; "
+           f"the closest, {names.get(str(r.get('label')), r.get('label'))}, misses by {c['miss_pct']:g} % at its "
+           f"lowest level ({D.x_words(c['kind'])} {c['miss_at']:g}: {c['miss_what']}). Relax the objectives or "
+           "measure lower levels.")
+    return Verdict(scenario, (), why, "")
+
+
+def _field_verdict(scen: str, f: comparable.Field, slo: Optional[dict], names: dict, mem: dict,
+                   kld: dict) -> Optional[Verdict]:
+    rs = list(f.runs)
+    v = _missed(scen, rs, slo, names) if slo is not None else None
+    v = v or _speed_verdict(scen, rs, slo, names, mem, kld) or _quality_verdict(scen, rs, names, mem)
+    if v is not None and f.cross_engine:
+        v = Verdict(v.scenario, v.choice, _cross_words(f) + v.why, v.caveat)
+    return v
+
+
 def verdicts(aggregate: dict) -> list[Verdict]:
-    """One verdict per scenario (and per latency objective where a scenario's runs set different ones)."""
+    """One verdict per scenario (and per latency objective where a scenario's runs set different ones), and
+    per field of comparable runs within it (comparable.partition): the runs left out are named under it,
+    each with its reason."""
     mem, kld = kv_lookups(aggregate)
     out: list[Verdict] = []
     for scen, runs in D.scenarios(aggregate):
-        usable = [r for r in runs if D.run_status(r) not in ("failed", "skipped")]
-        if not usable:
-            continue
-        names = short_names(usable)
+        names = short_names([r for r in runs if D.run_status(r) != "skipped"])
+        names.update({str(r.get("label")): D.run_kind(r).replace(", ", " ").replace(" KV", "")
+                      for r in runs if str(r.get("label")) not in names})
         groups: dict[Any, list[dict]] = {}
-        for r in usable:
+        for r in runs:
             slo = recommend.slo_of(r)
             groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
         for key, rs in groups.items():
-            v = _speed_verdict(scen, rs, None if key is None else dict(key), names, mem, kld)
-            if v is None:
-                v = _quality_verdict(scen, rs, names, mem)
-            if v is None and key is not None:  # nothing meets the objective: the ranking's words, everywhere
-                v = Verdict(scen, (), recommend.with_slo(scen, dict(key), rs)["sentence"], "")
-            if v is not None:
-                out.append(v)
+            slo = None if key is None else dict(key)
+            fields, left = comparable.partition(rs)
+            made = [v for f in fields for v in [_field_verdict(scen, f, slo, names, mem, kld)] if v is not None]
+            excluded = _left_words(left, names)
+            if not made and not any(D.run_status(r) not in ("skipped",) for r in rs):
+                continue  # only skipped jobs: nothing was measured, and the skip is reported as such
+            if not made:
+                why = (f"{scen}: no two runs can be compared, so no configuration is chosen" if len(rs) > 1
+                       else f"{scen}: nothing usable was measured, so no configuration is chosen") + "."
+                made = [Verdict(scen, (), why, "")]
+            lone = [f for f in fields if len(f.runs) == 1]
+            if len(fields) == 1 and lone and any("identical copy" not in x.reason for x in left):
+                name = names.get(str(lone[0].runs[0].get("label")), "")
+                made[0] = Verdict(scen, (), f"{scen}: no configuration is chosen: {name} is the only run that "
+                                           "can be compared, and nothing measured here is comparable with it.", "")
+            made[0] = Verdict(made[0].scenario, made[0].choice, made[0].why, made[0].caveat, excluded)
+            out += made
     return out

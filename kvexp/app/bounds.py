@@ -195,6 +195,10 @@ def accepted_kv_types(backend: str) -> Optional[tuple[str, ...]]:
 def kv_dtype(spelling: str) -> Optional[str]:
     """The portable dtype a spelling stores (fp16 for f16, float16, ...); None for one whose dtype is not
     fixed by the name (vLLM's auto: the model's own dtype) or not known."""
+    if "/" in str(spelling):  # a K/V pair: each part a dtype
+        k, _, v = str(spelling).partition("/")
+        kd, vd = kv_dtype(k), kv_dtype(v)
+        return f"{kd}/{vd}" if kd and vd and "/" not in v else None
     key = str(spelling).strip().lower()
     key = _SAME_DTYPE.get(key, key)
     return key if key in KV_BYTES_PER_ELEMENT else None
@@ -214,7 +218,13 @@ def check_kv_types(cfg: ExperimentConfig) -> None:
         require(backend in REGISTRY, f"{key}: no such backend; allowed keys are {', '.join(sorted(REGISTRY))}")
         accepted = accepted_kv_types(backend)
         job = f"kv={kv.name}, backend={cfg.backend.name}"
-        require(accepted is None or spelling in accepted, f"{key}={spelling!r}: not a KV cache type backend={backend} "
+        if "/" in spelling:
+            require(getattr(REGISTRY.get(backend), "kv_pairs", False), f"{key}={spelling!r}: a K/V pair, but "
+                    f"backend={backend} sets one KV cache type for K and V together; use one type")
+            require(accepted is None or all(t in accepted for t in spelling.split("/")), f"{key}={spelling!r}: "
+                    f"not a pair of KV cache types backend={backend} accepts; allowed values are "
+                    f"{', '.join(accepted or ())}")
+        require(accepted is None or spelling in accepted or "/" in spelling, f"{key}={spelling!r}: not a KV cache type backend={backend} "
                 f"accepts (the job: {job}); allowed values are {', '.join(accepted or ())}")
         got = kv_dtype(spelling)
         same = [t for t in (accepted or ()) if kv_dtype(t) == want]

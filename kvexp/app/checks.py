@@ -28,6 +28,13 @@ from kvexp.results.guards import MAX_NAME_CHARS, MAX_REPEATS, hidden_char
 from kvexp.workload import scenario
 
 
+# The portable names of llama.cpp's cache types (conf/kv/*.yaml) and its own spelling; every ordered pair of
+# two different ones is a K/V choice, kv=<K>/<V>, for the backends that take K and V types apart (kv_pairs).
+LLAMA_TYPES = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q5_1": "q5_1", "q5_0": "q5_0", "q4_1": "q4_1",
+               "q4_0": "q4_0", "iq4_nl": "iq4_nl"}
+KV_PAIRS = tuple((k, v) for k in LLAMA_TYPES for v in LLAMA_TYPES if k != v)
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="experiment_schema", node=ExperimentConfig)
@@ -35,6 +42,9 @@ def register_configs() -> None:
         cs.store(group="backend", name=f"{adapter.name}_schema", node=adapter.config_class)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="kv", name="kv_schema", node=KVConfig)
+    for k, v in KV_PAIRS:  # kv=q8_0/q4_0: the K cache at q8_0, the V cache at q4_0 (conf/kv/<K>.yaml's types)
+        cs.store(group=f"kv/{k}", name=v, node=KVConfig(name=f"{k}/{v}", per_backend={
+            name: f"{LLAMA_TYPES[k]}/{LLAMA_TYPES[v]}" for name, a in REGISTRY.items() if getattr(a, "kv_pairs", False)}))
     cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)
     cs.store(group="gpu", name="gpu_schema", node=GPUConfig)
 

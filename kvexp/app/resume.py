@@ -13,6 +13,7 @@ from kvexp.app.compose import compose_all, one_line_error
 from kvexp.app.interrupts import quiet_on_signals
 from kvexp.app.preflight import finished_jobs, quote_path
 from kvexp.core.config import ConfigError
+from kvexp.results.store import ResultError, load_document
 
 
 def resumable(folder: Path) -> bool:
@@ -40,7 +41,21 @@ def resume_args(folder: Path) -> list[str]:
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     ours = {"resume", "hydra.mode", "hydra.sweep.dir", "hydra.run.dir"}
     kept = [a for a in args if a.split("=", 1)[0].lstrip("+~") not in ours]
+    edited_result(folder, multirun)
     return (["-m"] if multirun else []) + kept + [f"{dir_key}={quote_path(folder.resolve())}", "resume=true"]
+
+
+def edited_result(folder: Path, multirun: bool) -> None:
+    """Refuse (ConfigError, one line) a folder holding a result whose config no longer matches its
+    config_hash: it was edited after it was written, and neither its levels nor its status can be trusted."""
+    for p in sorted(folder.glob("*/result.json")) if multirun else [folder / "result.json"]:
+        if not p.is_file():
+            continue
+        try:
+            load_document(p)
+        except ResultError as e:
+            if "$.config_hash" in str(e):
+                raise ConfigError(f"{e}; resume refuses this folder") from None
 
 
 def finish_report(folder: Path, multirun: bool) -> int:

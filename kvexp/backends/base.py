@@ -232,6 +232,7 @@ class Adapter:
     chart_marker: ClassVar[str] = "D"
     config_class: ClassVar[type[BackendConfig]]
     model_field: ClassVar[str]  # the ModelConfig field holding what this backend serves (gguf, hf, ...)
+    kv_pairs: ClassVar[bool] = False  # takes a K type and a V type apart (kv=q8_0/q4_0)
     capabilities: ClassVar[Capabilities]
     cache_model: ClassVar[CacheModel]
     health_path: ClassVar[str] = "/health"

@@ -24,7 +24,7 @@ from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCa
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.backends.prometheus import parse_metrics
 from kvexp.capacity import gguffile, modelinfo
-from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel
+from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel, kv_pair
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
 from kvexp.core.paths import cache_dir, file_problem
 from kvexp.workload import scenario
@@ -154,8 +154,9 @@ def exact_kv_bytes(cells: int, layers: int, n_embd_kv: int, k_type: str, v_type:
 
 
 def rotates(kv_type: str) -> bool:
-    """Whether a KV type is one llama.cpp may rotate (a quantised one, not f16/bf16/f32)."""
-    return kv_type not in ("f16", "bf16", "f32")
+    """Whether a KV type (or either type of a K/V pair "q8_0/f16") is one llama.cpp may rotate (a quantised
+    one, not f16/bf16/f32)."""
+    return any(t not in ("f16", "bf16", "f32") for t in kv_pair(kv_type))
 
 
 def check_gguf_model(cfg: ExperimentConfig) -> None:
@@ -229,6 +230,7 @@ class LlamaCpp(Adapter):
     model_field = "gguf"
     installable = True
     cuda_build = True
+    kv_pairs = True  # -ctk and -ctv: a K/V pair such as kv=q8_0/q4_0
     capabilities = Capabilities(forces_output_length=True, exact_prompts=True, exposes_kv_usage=True,
                                 exposes_preemptions=False, logprobs=True,
                                 stream_keepalive=False)  # the server closes the connection after each stream
@@ -274,8 +276,10 @@ class LlamaCpp(Adapter):
 
     def _spec(self) -> ServerSpec:
         s, b = self.cfg.scenario, self.b
-        if rotates(self.kv_type) and b.flash_attn == FlashAttn.off and not b.endpoint:
-            raise ConfigError(f"kv={self.cfg.kv.name} ({self.kv_type}) with backend.flash_attn=off: llama-server "
+        k_type, v_type = kv_pair(self.kv_type)
+        if rotates(v_type) and b.flash_attn == FlashAttn.off and not b.endpoint:
+            # llama-server: "V cache quantization requires flash_attn" (a quantised K is fine without it)
+            raise ConfigError(f"kv={self.cfg.kv.name} (-ctv {v_type}) with backend.flash_attn=off: llama-server "
                               "refuses a quantised V cache without flash attention (it exits before it is ready); "
                               "use backend.flash_attn=on or auto")
         slots, slots_source = server_slots(s, b.parallel)
@@ -293,7 +297,7 @@ class LlamaCpp(Adapter):
             argv = [self.program, "-m", self.model_path, "--alias", self.served_name,
                     "--host", b.host, "--port", PORT, "-np", str(slots),
                     "-c", str(context), "--metrics", "--slots",
-                    "-ctk", self.kv_type, "-ctv", self.kv_type, "-fa", str(b.flash_attn), "-lv", "4"]
+                    "-ctk", k_type, "-ctv", v_type, "-fa", str(b.flash_attn), "-lv", "4"]
             argv += ["-t", str(self.threads)]
             if scenario.resets_cache(s):  # slots can be erased between levels (reset_cache)
                 argv += ["--slot-save-path", str(slot_dir())]

@@ -159,8 +159,19 @@ class ModelArch:
 # Elementary formulas
 
 
+def kv_pair(kv_dtype: str) -> tuple[str, str]:
+    """(K type, V type) of a spelling: "q8_0/q4_0" is a K/V pair (llama.cpp's -ctk/-ctv), "q8_0" both."""
+    k, _, v = kv_dtype.partition("/")
+    return k, (v or k)
+
+
 def kv_bytes_per_element(kv_dtype: str, dtype_bytes: Optional[float] = None) -> float:
-    """Bytes per stored K or V element for a dtype spelling ("auto": the model dtype, 2 by default)."""
+    """Bytes per stored K or V element for a dtype spelling ("auto": the model dtype, 2 by default). For a
+    K/V pair ("q8_0/q4_0") the mean of K's and V's: every formula multiplies it by the K and V elements
+    together (2 x layers x KV heads x head size per token), so K and V are each sized at their own type."""
+    if "/" in kv_dtype:
+        k, v = kv_pair(kv_dtype)
+        return (kv_bytes_per_element(k, dtype_bytes) + kv_bytes_per_element(v, dtype_bytes)) / 2
     key = kv_dtype.strip().lower()
     if key == AUTO_KV_DTYPE:
         return float(dtype_bytes or DEFAULT_DTYPE_BYTES)

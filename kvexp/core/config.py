@@ -135,7 +135,7 @@ class ModelConfig:
 
 @dataclass
 class KVConfig:
-    name: str = MISSING  # portable name: fp16, bf16, fp8, q8_0, q4_0 (bytes per element: planner.py)
+    name: str = MISSING  # portable name: fp16, bf16, fp8, q8_0, q4_0, ...; or a K/V pair "q8_0/q4_0" (K, then V)
     # The backend's own spelling of this dtype; a backend missing here cannot use it.
     per_backend: dict[str, str] = field(default_factory=dict)
 
@@ -321,11 +321,15 @@ def check_kv(backend: str, kv: KVConfig, kv_choices: dict[str, KVConfig] | None 
         return
     allowed = sorted(n for n, k in (kv_choices or {}).items() if backend in k.per_backend)
     hint = f" (allowed for {backend}: {', '.join(allowed)})" if allowed else ""
+    if "/" in kv.name:
+        raise ConfigError(f"kv={kv.name}: a K/V pair is not available on backend={backend}, which sets one KV cache "
+                          f"type for K and V together{hint}")
     raise ConfigError(f"kv={kv.name} is not available on backend={backend}{hint}")
 
 
 def job_label(cfg: ExperimentConfig) -> str:
-    kv = cfg.kv.name + cfg.backend.kv_tag()
+    k, _, v = cfg.kv.name.partition("/")
+    kv = (f"k{k}-v{v}" if v else k) + cfg.backend.kv_tag()  # a K/V pair q8_0/q4_0: kq8_0-vq4_0
     return cfg.label or f"{cfg.backend.name}-{cfg.model.name}-{kv}-{cfg.scenario.name}"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvexp.assets.install import find_llama_perplexity
+from kvexp.capacity.planner import kv_pair
 from kvexp.quality.cache import file_sha256, read_json, write_json
 from kvexp.quality.job import QualityJob, depth_entry, teacher_forced_null
 
@@ -90,7 +91,7 @@ def perplexity_argv(binary: str, model: str, text_path: str, depth: int, chunks:
                     flash_attn: str, threads: int, n_gpu_layers: Optional[int], base_file: str,
                     kld: bool) -> list[str]:
     argv = [binary, "-m", model, "-f", text_path, "-c", str(depth), "--chunks", str(chunks),
-            "-ctk", dtype, "-ctv", dtype, "-fa", flash_attn, "-t", str(threads),
+            "-ctk", kv_pair(dtype)[0], "-ctv", kv_pair(dtype)[1], "-fa", flash_attn, "-t", str(threads),
             "--kl-divergence-base", base_file]
     if kld:
         argv.append("--kl-divergence")

@@ -31,6 +31,8 @@ def planner_view(agg: dict) -> dict:
     for k, v in pl.items():
         if k in ("gib", "models", "kv_bytes"):
             continue
+        if k == "gpu_memory_utilization" and not _has_gpu(agg):
+            continue  # a share of GPU memory means nothing where no run had a GPU
         if k == "gpu_memory_utilization" and is_num(v):
             constants.append((names[k], f"{v * 100:.0f} %"))
         elif not isinstance(v, (dict, list)):
@@ -135,6 +137,7 @@ def planner_view(agg: dict) -> dict:
             cols += [("calibrated_tokens", "Calibrated (tokens)", True),
                      ("calibrated_error_pct", "Calibrated error (%)", True)]
         cols = [c for c in cols if c[0] != "backend" or any(row.get("backend") for row in cal)]
+        cols = [c for c in cols if c[0] != "gpu_memory_utilization" or any(is_num(row.get("gpu_gib")) for row in cal)]
         checks = {c.index: c for c in recompute.check_document(agg)}
         rows = []
         for i, row in enumerate(cal):
@@ -206,3 +209,7 @@ def whatif_view(agg: dict) -> Optional[Table]:
             rows.append(whatif.row_cells(whatif.what_if(cfg[0], cfg[1], cfg[2], g, table, backend=cfg[3]), scen))
     return Table(list(whatif.HEADERS), rows, [False] * 6 + [True] * 3 + [False] + [True] * 3, kind="wide")
 
+
+
+def _has_gpu(agg: dict) -> bool:
+    return bool(agg.get("gpu") or agg.get("gpu_gib") or any(r.get("gpu") for r in agg.get("runs") or []))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from kvexp.analysis.card import CARD_HEADERS, card_rows, kv_cards
 from kvexp.analysis.documents import backend_name
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
 from kvexp.analysis.verdict import kv_key, kv_lookups, short_names
@@ -106,3 +107,12 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
             "legend_items": [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                              for lab, col, m in entries],
             "methods": [f"{m}: {p}" if p else m for m, p in methods.items()]}
+
+
+def card_view(agg: dict) -> list[dict]:
+    """The KV-dtype cards (kvexp/analysis/card.py): a title and a table each."""
+    cards = agg.get("kv_cards") if isinstance(agg.get("kv_cards"), list) else kv_cards(agg)
+    return [{"title": f"{backend_name(c['backend'])}, {c['model']} ({c['weights']}), scenario {c['scenario']}: "
+                      f"each KV configuration against the {c['baseline']} cache",
+             "table": Table(CARD_HEADERS, card_rows(c), [False, False, True, True, False, False, True, True, True],
+                            kind="wide")} for c in cards]

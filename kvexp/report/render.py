@@ -32,7 +32,7 @@ from kvexp.metrics import registry
 from kvexp.planning import recompute
 from kvexp.report import charts as C, pdf
 from kvexp.report.planner_view import planner_view
-from kvexp.report.quality_view import quality_view
+from kvexp.report.quality_view import card_view, quality_view
 from kvexp.report.scenario_view import scenario_views
 from kvexp.report.setup_view import default_title, setup_view
 from kvexp.report.tables import write_csv
@@ -82,7 +82,7 @@ def colour_key(run: dict) -> str:
 _FINDING_GROUPS = (
     ("Problems", ("failed", "partial", "skipped", "failed_level")),
     ("Best configurations", ("best_overall_throughput", "best_overall_ttft_p95")),
-    ("KV-cache dtype", ("kv_gain",)),
+    ("KV-cache dtype", ("kv_gain", "kv_slowdown")),
     ("KV dtype: capacity and speed against quality", ("quality_trade", "quality_nondeterministic")),
     ("Saturation and queueing", ("no_growth", "saturation")),
     ("Preemption", ("preemption", "no_preemption")),
@@ -132,6 +132,7 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "scenarios": scenario_views(aggregate, colours, warnings, png_dir, svg),
         "planner": planner_view(aggregate),
         "quality": quality_view(aggregate, colours, png_dir, svg),
+        "cards": card_view(aggregate),
         "warnings": [w.message for w in warnings],
         "failures": failures,
         "not_exposed": registry.NOT_EXPOSED,

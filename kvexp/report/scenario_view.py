@@ -302,7 +302,9 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
         desc += uniq(_workload_text(r.get("workload")) for r in runs if _reuses(r) or
                      ((r.get("workload") or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
-        desc.append(f"{len(runs)} run{'s' if len(runs) != 1 else ''}")
+        ran = [r for r in runs if D.run_status(r) != "skipped"]  # a skipped job is no run: it is listed apart
+        desc.append(f"{len(ran)} run{'s' if len(ran) != 1 else ''}" + (f", {len(runs) - len(ran)} skipped"
+                                                                      if len(ran) < len(runs) else ""))
         failed = [{"label": str(r.get("label")), "status": D.run_status(r),
                    "reason": D.first_line(r.get("status_reason")) or "no reason recorded"}
                   for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]

@@ -4,6 +4,7 @@ commands; and the report's default title."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any, Optional
 
@@ -44,10 +45,28 @@ def _plain(v: object) -> str:
     return "—" if v is None else str(v)
 
 
+# A checkpoint kvexp dequantised from a GGUF for vLLM is named after it: <GGUF stem>-<dtype>-<sha256 prefix>.
+_DEQUANTISED = re.compile(r"^(?P<stem>.+)-(bf16|fp16|f16|float16|bfloat16)-[0-9a-f]{12}$")
+
+
+def _model_stem(model: Any) -> str:
+    name = _short_model(model)
+    m = _DEQUANTISED.match(name)
+    return m.group("stem") if m else name.removesuffix(".gguf")
+
+
 def default_title(aggregate: dict) -> str:
+    """"kvexp comparison — <device> — <model> (llama.cpp: GGUF Q4_1; vLLM: bfloat16)": each model named once,
+    with each backend's weights beside it where backends served it from different files."""
     gpu = device_text(aggregate) or "unknown GPU"
-    models = uniq(_short_model(r.get("model")) for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped")
-    what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
+    runs = [r for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped"]
+    models = uniq(_model_stem(r.get("model")) for r in runs)
+    if len(models) == 1:
+        served = uniq(f"{D.backend_name(r.get('backend'))}: {D.weights_display(r)}" for r in runs)
+        files = uniq(_short_model(r.get("model")) for r in runs)
+        what = models[0] + (f" ({'; '.join(served)})" if len(files) > 1 else "")
+    else:
+        what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
     return f"kvexp comparison — {gpu} — {what}"
 
 
@@ -129,7 +148,7 @@ def setup_view(agg: dict) -> dict:
             format_value("kv_gib", _gib(kv.get("bytes"))),
             # a share of GPU memory means nothing on a run without a GPU (vLLM's CPU build still reports one)
             format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization") if r.get("gpu") else None),
-            format_value("max_concurrency", kv.get("max_concurrency")),
+            _max_concurrency(r),
             ", ".join(map(str, src)) if isinstance(src, list) else format_value("source", src),
         ])
     # Runs whose server reported nothing about its KV cache are named in one line, not a row of dashes.
@@ -153,7 +172,9 @@ def setup_view(agg: dict) -> dict:
                            for k, v in sorted(xs.items())) or "—"
         prompts = ", ".join(format_value("prompt_tokens", p) for p in uniq(r.get("prompt_tokens") for r in sruns))
         maxes = ", ".join(format_value("max_tokens", p) for p in uniq(r.get("max_tokens") for r in sruns))
-        scen_rows.append([scen, prompts or "—", maxes or "—", levels, str(len(sruns))])
+        ran = sum(D.run_status(r) != "skipped" for r in sruns)  # a skipped job is no run
+        scen_rows.append([scen, prompts or "—", maxes or "—", levels,
+                          str(ran) + (f" ({len(sruns) - ran} skipped)" if ran < len(sruns) else "")])
     scen_table = Table(["Scenario", "Prompt tokens", "Max tokens", "Levels", "Runs"], scen_rows,
                        [False, True, True, False, True])
 
@@ -185,3 +206,18 @@ def foreign_view(runs: list[dict]) -> list[dict]:
         t["not_recorded"] = ", ".join(t["not_recorded"])
     return list(out.values())
 
+
+
+def _max_concurrency(run: dict) -> str:
+    """One figure for a run's max concurrency: the planner's (requests of this scenario's size before
+    preemption, as findings quote it), with the server's own beside it where it differs and why (vLLM
+    sizes its figure for requests of its full context)."""
+    kv = run.get("kv_cache") or {}
+    plan = run.get("planner") if isinstance(run.get("planner"), dict) else {}
+    ours, theirs = plan.get("max_concurrency_before_preemption"), kv.get("max_concurrency")
+    if not is_num(ours):
+        return format_value("max_concurrency", theirs)
+    text = format_value("max_concurrency", ours)
+    if is_num(theirs) and format_value("max_concurrency", theirs) != text:
+        text += f" (server: {format_value('max_concurrency', theirs)} for requests of its full context)"
+    return text

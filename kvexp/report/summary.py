@@ -16,7 +16,7 @@ from jinja2 import Environment
 from kvexp import backends
 from kvexp.analysis.aggregate import collect, run_of
 from kvexp.analysis.documents import run_status, scenarios
-from kvexp.analysis.recommend import peak_level, slo_of
+from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
 from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
@@ -265,16 +265,21 @@ def end_of_run_text(agg: dict[str, Any]) -> str:
     for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
         names.update(short_names(scenario_runs))
     rows = []
+    slos = any(slo_of(r) for r in runs)
     for r in runs:
         peak = peak_level(r)
         bpt = bytes_per_token(r)
+        slo = slo_of(r)
+        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if run_status(r) != "skipped" else "—"]
+                   if slos else [])
         figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
                    + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
                    if peak else [registry.UNKNOWN] * 4)
         rows.append([str(r.get("label")), names[str(r.get("label"))], run_status(r), *figures,
-                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}"])
+                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
     head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
-    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5)))
+    head += ["SLO"] if slos else []
+    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)))
 
 
 # ---------------------------------------------------------------- the planner's table (`kvexp plan`)

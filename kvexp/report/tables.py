@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kvexp.analysis import documents as D, flags as FL
+from kvexp.analysis.card import kv_cards
+from kvexp.metrics.levels import level_x
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.report.markdown import md_escape
@@ -162,15 +164,39 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
     present = {k for r in runs for lv in r.get("levels") or [] for k in _flat_keys(lv)}
     level_keys = [k for k in registry.METRICS if k in present or k in ALWAYS] + sorted(present - set(registry.METRICS))
     tools = any(r.get("tool") for r in runs)
-    head = [c for c in CSV_RUN_COLUMNS if c != "tool" or tools] + level_keys
+    cards = aggregate.get("kv_cards") if isinstance(aggregate.get("kv_cards"), list) else kv_cards(aggregate)
+    card = {row["label"]: row for c in cards for row in c["rows"]}
+    head = [c for c in CSV_RUN_COLUMNS if c != "tool" or tools] + level_keys + (list(CARD_COLUMNS) if card else [])
     rows = []
     for r in runs:
         kv = D.kv_name(r)
         base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
                 r.get("scenario"), kv.name, kv.source, D.run_status(r)]
         for lv in r.get("levels") or [{}]:
-            rows.append(base + [registry.level_value(lv, k) for k in level_keys])
+            rows.append(base + [registry.level_value(lv, k) for k in level_keys]
+                        + (_card_cells(card.get(str(r.get("label"))), lv) if card else []))
     return head, rows
+
+
+# The KV-dtype card's figures for a run's row (kvexp/analysis/card.py): the changes at the row's own level.
+CARD_COLUMNS = ("card_kv_bytes_per_token", "card_kv_window_bytes_per_sequence", "card_tokens_in_same_memory",
+                "card_ttft_p50_change_pct", "card_ttft_beyond_noise", "card_tpot_p50_change_pct",
+                "card_tpot_beyond_noise", "card_kld_mean", "card_kld_depth", "card_top1_agreement",
+                "card_delta_ppl", "card_rotation")
+
+
+def _card_cells(row: Any, level: dict) -> list[Any]:
+    if not row:
+        return [None] * len(CARD_COLUMNS)
+    x = level_x(level)
+
+    def at(key: str) -> tuple[Any, Any]:
+        c = next((c for c in row[key] if x and (c["kind"], c["x"]) == x), None)
+        return (c["change_pct"], c["beyond_noise"]) if c else (None, None)
+
+    return [row["kv_bytes_per_token"], row["kv_window_bytes_per_sequence"], row["tokens_in_same_memory"],
+            *at("ttft_change"), *at("tpot_change"), row["kld_mean"], row["depth"], row["top1_agreement"],
+            row["delta_ppl"], row["rotation"]]
 
 
 def csv_text(aggregate: dict) -> str:

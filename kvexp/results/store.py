@@ -5,7 +5,6 @@ requests are kept."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -22,8 +21,9 @@ from kvexp.core.config import to_plain
 from kvexp.core.paths import atomic_write
 from kvexp.metrics.levels import level_x
 from kvexp.results import foreign, guards
-from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, inspect_file, json_lines_of, kind_of,
-                                    parse_json, read_bounded, read_errors, validate_document)
+from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, config_hash,  # noqa: F401
+                                    inspect_file,
+                                    json_lines_of, kind_of, parse_json, read_bounded, read_errors, validate_document)
 
 RESULT_FILE = "result.json"
 REQUESTS_FILE = "requests.jsonl"
@@ -35,10 +35,6 @@ class ResultError(ValueError):
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def spec_of(cfg: Any) -> dict[str, Any]:

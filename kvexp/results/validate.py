@@ -8,6 +8,7 @@ its JSON path instead of read for ever or crashing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import math
@@ -91,12 +92,26 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def config_hash(config: dict[str, Any]) -> str:
+    """The hash a job's result records of its resolved config (result.json's config_hash)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def semantic_errors(doc: Any, kind: str) -> list[str]:
-    """Rules across fields: a level's errors never exceed its requests; a complete job has levels;
-    byte sizes in the planner are not negative."""
+    """Rules across fields: a job's config matches its config_hash (a result edited after it was written
+    is refused); a level's errors never exceed its requests; a complete job has levels; byte sizes in the
+    planner are not negative."""
     if not isinstance(doc, dict):
         return []
     out = []
+    if kind == "result" and isinstance(doc.get("config"), dict) and isinstance(doc.get("config_hash"), str):
+        try:
+            actual = config_hash(doc["config"])
+        except (TypeError, ValueError):
+            actual = None
+        if actual != doc["config_hash"]:
+            out.append(f"$.config_hash: {doc['config_hash']} does not match the config this file holds (its hash is "
+                       f"{actual}): the result was edited after it was written; measure it again")
     for parts, lv in _levels_of(doc, kind):
         n, e = lv.get("requests"), lv.get("errors")
         if _int(n) and _int(e) and e > n:
