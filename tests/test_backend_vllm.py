@@ -442,6 +442,17 @@ class _Servers:
             _SHARED.discard(proc)
 
 
+def _histogram_line(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of one Prometheus histogram in /metrics text, added over its label sets: this file's own
+    reading of the server's words, not kvexp's parser."""
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in total:
+            if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_sum"], total["_count"]
+
+
 def with_session(backend: VLLM, fn):
     async def main():
         async with make_session(backend.base_url, 32, 300, 120) as s:
@@ -626,17 +637,25 @@ class TestRealServer:
         chunk the client's TPOT p50 is within 5 % of the server's own (its histograms' difference)."""
         b = vllm_servers.get("fp16")
 
+        async def raw(s) -> str:  # /metrics as the server wrote it
+            async with s.get(b.base_url + "/metrics") as r:
+                return await r.text()
+
         async def go(s):
             pool = await prompts.token_pool(b, s, seed=0)
             batch = [(b.request(p, 100, "completions"),
                       RequestRecord(index=i, level=4, target_prompt_tokens=200, max_tokens=100))
                      for i, p in enumerate(prompts.token_prompts(pool, 8, 200, seed=7))]
-            before = await b.server_counters(s)
+            before, text_before = await b.server_counters(s), await raw(s)
             recs = await LoadGenerator(s, b).closed_loop(batch, 4)
-            return before, recs, await b.server_counters(s)
+            return before, recs, await b.server_counters(s), text_before, await raw(s)
 
-        before, recs, after = with_session(b, go)
+        before, recs, after, text_before, text_after = with_session(b, go)
         view, summary, d = b.server_view(recs, before, after), stats.summarize_level(recs), stats.delivery(recs)
+        # truth read by this test itself: the histogram's sum and count lines, as vLLM wrote them
+        own = [_histogram_line(t, "vllm:request_time_per_output_token_seconds") for t in (text_before, text_after)]
+        count = own[1][1] - own[0][1]
+        assert count == 8 and view["tpot_mean_ms"] == pytest.approx((own[1][0] - own[0][0]) / count * 1000, abs=5e-4)  # 3 decimals
         print(f"\nvLLM c=4: TPOT p50 client {summary['tpot_p50_ms']} ms, server mean {view['tpot_mean_ms']} ms, "
               f"TTFT p50 client {summary['ttft_p50_ms']} ms, server mean {view['ttft_mean_ms']} ms; delivery {d}")
         assert view["requests"] == 8

@@ -6,6 +6,7 @@ throttle. One check here is consistency, not truth: the measured KV usage agains
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,27 @@ def test_exact_kv_bytes_from_cells():
 @pytest.fixture(scope="module")
 def chat(llama_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("chat")
-    return run(out, llama_server, "scenario=chat", "scenario.requests=16", "scenario.warmup_requests=1")
+    res = run(out, llama_server, "scenario=chat", "scenario.requests=16", "scenario.warmup_requests=1")
+    return {**res, "folder": str(out)}
+
+
+# llama-server's own words for each request, in its log: `slot print_timing: id  3 | task 1 |        eval
+# time =   11382.79 ms /    64 tokens (  180.68 ms per token, ...)`: read here with this file's pattern,
+# not with kvexp's stream parser
+EVAL_TIME = re.compile(r"print_timing: .*\|\s+eval time =\s*([\d.]+) ms /\s*(\d+) tokens \(\s*([\d.]+) ms per token")
+
+
+def test_every_requests_server_timing_is_the_one_the_servers_log_states(chat):
+    """Truth read by this test itself: the per-token decode time llama-server printed for each request
+    equals the one kvexp recorded for it from the stream's `timings` (each request matched by value)."""
+    folder = Path(chat["folder"])
+    logged = sorted(round(float(ms), 2) for _, _, ms in EVAL_TIME.findall((folder / "server.log").read_text()))
+    rows = [json.loads(x) for x in (folder / "requests.jsonl").read_text().splitlines()]
+    recorded = sorted(round(r["server_timings"]["predicted_per_token_s"] * 1000, 2)
+                      for r in rows if r["error"] is None and r.get("server_timings"))
+    print(f"\n{len(logged)} print_timing lines in llama-server's log, {len(recorded)} requests with timings")
+    assert len(recorded) == len(rows) and len(logged) == len(recorded) > 0
+    assert all(a == pytest.approx(b, abs=0.011) for a, b in zip(logged, recorded))
 
 
 def test_chat_kv_usage_is_consistent_with_the_plan(chat):
