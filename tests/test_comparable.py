@@ -255,3 +255,34 @@ def test_a_model_served_by_two_backends_is_named_once_with_each_backends_weights
     v["model"].update(path="/models/SmolLM2-135M-Instruct.Q4_1-bf16-b179c9523d0e", weights_format="bfloat16")
     title = default_title(collect(write(tmp_path, {"a": a, "v": v})))
     assert title.endswith("— SmolLM2-135M-Instruct.Q4_1 (llama.cpp: GGUF Q4_1, 5.74 bits/weight; vLLM: bfloat16)")
+
+
+def test_the_card_carries_a_k_v_pair_with_the_kld_llama_perplexity_gives_by_hand():
+    """A real sweep (`python -m kvexp -m kv=fp16,q8_0,q8_0/q4_0,q4_0 scenario=cpu quality.enabled=true`, SmolLM2):
+    its fp16 and q8_0/q4_0 jobs. llama-perplexity run by hand with -ctk q8_0 -ctv q4_0 against the fp16 base
+    file printed, at depth 4096: Mean KLD 0.007082, Same top p 94.317 %, Mean PPL(Q)-PPL(base) 0.071694; at 512:
+    0.008120, 95.000 %, -0.107703."""
+    base = json.loads((REAL / "cpu-fp16" / "result.json").read_text())
+    pair = json.loads((REAL / "cpu-q8_0-q4_0" / "result.json").read_text())
+    assert pair["kv"]["requested"] == "q8_0/q4_0" and pair["kv_cache"]["dtype"] == "q8_0/q4_0"
+    assert "-ctk q8_0 -ctv q4_0" in " ".join(pair["backend"]["launch_command"])
+    assert pair["kv_cache"]["bytes"] == pair["kv_cache"]["capacity_tokens"] * 9360  # K at q8_0 + V at q4_0
+    depths = {d["context"]: d for d in pair["quality"]["teacher_forced"]["depths"]}
+    assert (depths[512]["kld_mean"], depths[512]["top1_agreement"], depths[512]["delta_ppl"]) == (0.00812, 0.95, -0.107703)
+    from kvexp.analysis.card import card_rows, kv_cards
+
+    (card,) = kv_cards({"runs": [collect_run(base), collect_run(pair)]})
+    row = card["rows"][1]
+    assert (row["kv"], row["kv_bytes_per_token"], row["depth"], row["kld_mean"], row["top1_agreement"],
+            row["delta_ppl"], row["rotation"]) == ("q8_0/q4_0", 9360, 4096, 0.007082, 0.94317, 0.071694, "rotated")
+    assert row["tokens_in_same_memory"] == base["kv_cache"]["bytes"] // 9360
+    assert all(len(row[k]) == 2 for k in ("ttft_change", "tpot_change"))  # concurrency 1 and 4, each with its mark
+    cells = card_rows(card)[1]
+    assert cells[:4] == ["q8_0/q4_0", "rotated", "9,360", f"{base['kv_cache']['bytes'] // 9360:,} (2.46×)"]
+    assert cells[6:] == ["0.00708 (depth 4096)", "94.317 %", "+0.07"]
+
+
+def collect_run(doc: dict) -> dict:
+    from kvexp.analysis.aggregate import run_of
+
+    return run_of(doc)
