@@ -230,10 +230,12 @@ def test_the_kv_dtype_card_on_real_runs_and_a_slowdown_beyond_the_noise_names_it
     agg = collect(write(tmp_path, {"a": a, "b": b}))
     (card,) = agg["kv_cards"]
     base, q8 = card["rows"]
-    assert (base["kv"], base["kv_bytes_per_token"], q8["kv"], q8["kv_bytes_per_token"]) == ("fp16", 23040, "q8_0", 12240)
+    assert (base["kv"], base["kv_bytes_per_token"]) == ("fp16", 23040)
+    assert (q8["kv"], q8["kv_bytes_per_token"]) == ("q8_0", 12240)
     assert q8["tokens_in_same_memory"] == 11796480 // 12240 and q8["rotation"] == "rotated"
-    assert [(c["x"], c["change_pct"], c["beyond_noise"]) for c in q8["ttft_change"]] == [(1, 50.0, True), (2, 50.0, True)]
-    assert [(c["x"], c["change_pct"], c["beyond_noise"]) for c in q8["tpot_change"]] == [(1, 2.0, False), (2, 2.0, False)]
+    marks = {k: [(c["x"], c["change_pct"], c["beyond_noise"]) for c in q8[k]] for k in ("ttft_change", "tpot_change")}
+    assert marks == {"ttft_change": [(1, 50.0, True), (2, 50.0, True)],
+                     "tpot_change": [(1, 2.0, False), (2, 2.0, False)]}
     (f,) = [f for f in compute_findings(agg) if f.kind == "kv_slowdown"]
     assert f.sentence.startswith("llama.cpp q8_0 KV vs fp16 (smoke, SmolLM2-135M-Instruct.Q4_1.gguf): prefill is "
                                  "slower, TTFT p50 +50.0 % at concurrency 1 (beyond the 5 % noise)")
@@ -255,3 +257,35 @@ def test_a_model_served_by_two_backends_is_named_once_with_each_backends_weights
     v["model"].update(path="/models/SmolLM2-135M-Instruct.Q4_1-bf16-b179c9523d0e", weights_format="bfloat16")
     title = default_title(collect(write(tmp_path, {"a": a, "v": v})))
     assert title.endswith("— SmolLM2-135M-Instruct.Q4_1 (llama.cpp: GGUF Q4_1, 5.74 bits/weight; vLLM: bfloat16)")
+
+
+def test_the_card_carries_a_k_v_pair_with_the_kld_llama_perplexity_gives_by_hand():
+    """A real sweep (`python -m kvexp -m kv=fp16,q8_0,q8_0/q4_0,q4_0 scenario=cpu quality.enabled=true`, SmolLM2):
+    its fp16 and q8_0/q4_0 jobs. llama-perplexity run by hand with -ctk q8_0 -ctv q4_0 against the fp16 base
+    file printed, at depth 4096: Mean KLD 0.007082, Same top p 94.317 %, Mean PPL(Q)-PPL(base) 0.071694; at 512:
+    0.008120, 95.000 %, -0.107703."""
+    base = json.loads((REAL / "cpu-fp16" / "result.json").read_text())
+    pair = json.loads((REAL / "cpu-q8_0-q4_0" / "result.json").read_text())
+    assert pair["kv"]["requested"] == "q8_0/q4_0" and pair["kv_cache"]["dtype"] == "q8_0/q4_0"
+    assert "-ctk q8_0 -ctv q4_0" in " ".join(pair["backend"]["launch_command"])
+    assert pair["kv_cache"]["bytes"] == pair["kv_cache"]["capacity_tokens"] * 9360  # K at q8_0 + V at q4_0
+    depths = {d["context"]: d for d in pair["quality"]["teacher_forced"]["depths"]}
+    d512 = depths[512]
+    assert (d512["kld_mean"], d512["top1_agreement"], d512["delta_ppl"]) == (0.00812, 0.95, -0.107703)
+    from kvexp.analysis.card import card_rows, kv_cards
+
+    (card,) = kv_cards({"runs": [collect_run(base), collect_run(pair)]})
+    row = card["rows"][1]
+    assert (row["kv"], row["kv_bytes_per_token"], row["depth"], row["kld_mean"], row["top1_agreement"],
+            row["delta_ppl"], row["rotation"]) == ("q8_0/q4_0", 9360, 4096, 0.007082, 0.94317, 0.071694, "rotated")
+    assert row["tokens_in_same_memory"] == base["kv_cache"]["bytes"] // 9360
+    assert all(len(row[k]) == 2 for k in ("ttft_change", "tpot_change"))  # concurrency 1 and 4, each with its mark
+    cells = card_rows(card)[1]
+    assert cells[:4] == ["q8_0/q4_0", "rotated", "9,360", f"{base['kv_cache']['bytes'] // 9360:,} (2.46×)"]
+    assert cells[6:] == ["0.00708 (depth 4096)", "94.317 %", "+0.07"]
+
+
+def collect_run(doc: dict) -> dict:
+    from kvexp.analysis.aggregate import run_of
+
+    return run_of(doc)

@@ -126,7 +126,8 @@ def card_rows(card: dict) -> list[list[str]]:
             tokens += f" ({row['tokens_ratio']:.2f}×)"
         base = i == 0
         kld = fmt_kld(row["kld_mean"]) + (f" (depth {row['depth']})" if row["depth"] else "")
-        dppl = "—" if row["delta_ppl"] is None else f"{row['delta_ppl']:+.2f}"
+        dppl = "—" if row["delta_ppl"] is None else f"{row['delta_ppl']:+.2f}".replace("-0.00", "0.00").replace(
+            "+0.00", "0.00")
         out.append([f"{row['kv']} (baseline)" if base else str(row["kv"]), row["rotation"] or "—", bpt, tokens,
                     "baseline" if base else _changes_text(row["ttft_change"]),
                     "baseline" if base else _changes_text(row["tpot_change"]),

@@ -210,7 +210,10 @@ def _window_words(run: dict) -> str:
 
 
 def _drift_words(c: Candidate) -> str:
-    return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}" if c.drift else ""
+    if not c.drift:
+        return ""
+    above = f", above the {DRIFT_LIMIT:g} at which drift is visible" if c.drift[0] > DRIFT_LIMIT else ""
+    return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}{above}"
 
 
 # KV dtypes that are not quantised: choosing one costs no quality worth measuring.
