@@ -650,8 +650,11 @@ class TestRealServer:
             recs = await LoadGenerator(s, b).closed_loop(batch, 4)
             return before, recs, await b.server_counters(s), text_before, await raw(s)
 
-        before, recs, after, text_before, text_after = with_session(b, go)
-        view, summary, d = b.server_view(recs, before, after), stats.summarize_level(recs), stats.delivery(recs)
+        for _ in range(3):  # a busy machine can leave the client off a core: tokens then arrive in bursts
+            before, recs, after, text_before, text_after = with_session(b, go)
+            view, summary, d = b.server_view(recs, before, after), stats.summarize_level(recs), stats.delivery(recs)
+            if not d["bursts"]:
+                break
         # truth read by this test itself: the histogram's sum and count lines, as vLLM wrote them
         own = [_histogram_line(t, "vllm:request_time_per_output_token_seconds") for t in (text_before, text_after)]
         count = own[1][1] - own[0][1]

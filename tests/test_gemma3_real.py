@@ -5,6 +5,7 @@ kvexp's parser."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess

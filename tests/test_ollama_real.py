@@ -91,9 +91,9 @@ def test_client_tpot_agrees_with_the_servers_eval_duration_on_the_real_model(oll
     assert server["source"].startswith("Ollama's per-request durations")
     # the client's TPOT holds the server's decode time plus the stream's delivery; within 5 %
     assert lv["tpot_p50_ms"] == pytest.approx(server["tpot_p50_ms"], rel=0.05)
-    prompt = r["workload"]["chars_per_token"]
-    assert prompt["probe_tokens"] >= 1 and 1.0 < prompt["value"] < 6.0  # BPE, not one character per token
-    assert abs(lv["mean_prompt_tokens"] - r["scenario"]["prompt_tokens"]) <= 0.25 * r["scenario"]["prompt_tokens"]
+    # the GGUF kvexp imports gives prompts of exact length (one-token text units), so no estimate is made
+    assert r["workload"]["prompt_mode"] == "exact text" and r["workload"]["chars_per_token"] is None
+    assert lv["mean_prompt_tokens"] == r["scenario"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("model,api", [("smollm2", "completions"), ("smollm2", "chat"), ("tiny", "completions")])
@@ -166,9 +166,11 @@ def test_a_runner_killed_mid_level_fails_that_level_in_the_servers_words(ollama,
     assert k.finish(timeout=600) == 1, k.output[-3000:]
     r = json.loads((tmp_path / "run" / "result.json").read_text())
     (lv,) = r["levels"]
-    assert lv["status"] == "failed" and lv["status_reason"] == (
-        "the server lost its model during this level: Ollama's runner died (\"llama runner process no longer "
-        "running\", signal: killed) and the model was loaded again; its figures mix two loads")
+    # Ollama's own words where its log has them in time ("llama runner process no longer running", signal:
+    # killed), else that it started its runner again; the level fails either way
+    reason = lv["status_reason"]
+    assert lv["status"] == "failed" and reason.startswith("the server lost its model during this level: Ollama")
+    assert "the model was loaded again; its figures mix two loads" in reason, reason
     assert k.output.strip().splitlines()[-1] == "kvexp: 1 job(s) failed: ollama-tiny-fp16-smoke"
     assert not k.survivors()
 
