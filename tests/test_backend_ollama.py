@@ -332,8 +332,7 @@ def test_num_parallel_1_queues_requests(tmp_path):
     # token well before the last, which the fake sends 7 token gaps later
     ttft_ms, gap_ms = float(env["FAKE_OLLAMA_TTFT_S"]) * 1000, float(env["FAKE_OLLAMA_TOKEN_GAP_S"]) * 1000
     assert ttft_ms <= c1["ttft_p50_ms"] < c1["e2e_p50_ms"] - 7 * gap_ms / 2
-    # one slot: four in flight gain nothing over one (a server serving them side by side would near 4x)
-    assert c4["throughput_tok_s"] < 2 * c1["throughput_tok_s"]
+    # one slot: four sent at once were served one at a time (the fake's own count, not a clock)
     assert c4["ttft_p50_ms"] > 2 * c1["ttft_p50_ms"]  # queued behind the one slot
     assert state["max_in_flight"] == 1 and state["loads"] == 1  # num_ctx matched: no reload
     assert state["effective"]["num_parallel"] == 1
