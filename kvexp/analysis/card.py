@@ -16,6 +16,7 @@ from typing import Any, Optional
 from kvexp.analysis import documents as D, noise
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share, ok_depths
 from kvexp.analysis.verdict import SIXTEEN_BIT, bytes_per_token
+from kvexp.metrics import registry
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
 
@@ -119,8 +120,7 @@ def card_rows(card: dict) -> list[list[str]]:
     out = []
     for i, row in enumerate(card["rows"]):
         bpt = "—" if row["kv_bytes_per_token"] is None else f"{row['kv_bytes_per_token']:,.0f}"
-        if row["kv_window_bytes_per_sequence"]:
-            bpt += f" + {row['kv_window_bytes_per_sequence'] / (1 << 20):,.2f} MiB window/seq"
+        bpt += registry.window_words(row["kv_window_bytes_per_sequence"])
         tokens = "—" if row["tokens_in_same_memory"] is None else f"{row['tokens_in_same_memory']:,}"
         if row["tokens_ratio"] is not None and i:
             tokens += f" ({row['tokens_ratio']:.2f}×)"

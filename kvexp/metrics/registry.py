@@ -242,6 +242,12 @@ FORMATS: dict[str, Fmt] = {
 }
 
 
+def window_words(window_bytes_per_sequence: Optional[float]) -> str:
+    """A sliding-window model's fixed part, after its bytes per token: " + 15.00 MiB window/seq" ("" for a
+    model without a window)."""
+    return "" if not window_bytes_per_sequence else f" + {window_bytes_per_sequence / (1 << 20):,.2f} MiB window/seq"
+
+
 def format_value(key: str, v: Any) -> str:
     """One value as tables and sentences write it (None: "—"); a dotted key that is not registered
     formats like its last part."""

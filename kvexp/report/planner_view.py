@@ -72,8 +72,8 @@ def planner_view(agg: dict) -> dict:
         mem_diff = ((server_bytes - p.kv_cache_bytes) / p.kv_cache_bytes * 100
                     if server_bytes and p.kv_cache_bytes else None)
         per_token = format_value("kv_bytes_per_token", p.kv_bytes_per_token)
-        if p.window_bytes_per_sequence is not None and per_token != registry.UNKNOWN:
-            per_token += f" + {p.window_bytes_per_sequence / MIB:,.2f} MiB window/seq"
+        if per_token != registry.UNKNOWN:
+            per_token += registry.window_words(p.window_bytes_per_sequence)
         cap_rows.append([str(r.get("label")), D.backend_name(r.get("backend")), str(r.get("model")), kv.display,
                          per_token,
                          format_value("capacity_tokens", p.capacity_tokens),

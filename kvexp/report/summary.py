@@ -356,10 +356,8 @@ def _fmt_mib(b: Optional[float]) -> str:
 def kv_per_token_words(p: dict[str, Any]) -> str:
     """A plan's KV bytes per token; for a windowed model the per-token part (the global layers) and the
     fixed part (one sequence's window in the sliding layers), e.g. "3,072 + 15.00 MiB window/seq"."""
-    fixed = p.get("kv_window_bytes_per_sequence")
-    if p.get("sliding_window") is None or fixed is None:
-        return _fmt_int(p.get("kv_bytes_per_token"))
-    return f"{_fmt_int(p['kv_bytes_per_token'])} + {fixed / (1 << 20):,.2f} MiB window/seq"
+    window = p.get("kv_window_bytes_per_sequence") if p.get("sliding_window") is not None else None
+    return _fmt_int(p.get("kv_bytes_per_token")) + registry.window_words(window)
 
 
 def _predicted(cfg: ExperimentConfig, calibration: dict | None, archs: dict[tuple[str, str], Any]) -> tuple[Any, dict]:
