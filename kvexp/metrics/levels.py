@@ -7,7 +7,8 @@ ones when it checks documents that carry no warnings of their own."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import statistics
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Sequence
 
 from kvexp.metrics import stats
@@ -57,17 +58,19 @@ class LevelWarning:
         return {"code": self.code, "text": self.text, "values": dict(self.values)}
 
 
-@dataclass
+@dataclass(slots=True)
 class Level:
-    """One level of one job (a concurrency or a rate, one repeat), as result.json stores it."""
+    """One level of one job (a concurrency or a rate, one repeat), as result.json stores it: built by the
+    runner while it measures, or read from a document (from_json: kvexp's result.json, an aggregate, or
+    another tool's level mapped onto kvexp's keys). Read by attribute everywhere above results/."""
 
     concurrency: Optional[int]
     rate: Optional[float]
-    repeat: int
-    status: str  # ok | failed
-    requests: int
-    errors: int
-    errors_by_kind: dict[str, int]
+    repeat: Optional[int]
+    status: Optional[str]  # ok | failed (None: the document does not say, which reads as ok)
+    requests: Optional[int]
+    errors: Optional[int]
+    errors_by_kind: Optional[dict[str, int]]
     throughput_tok_s: Optional[float]
     request_rate: Optional[float]
     ttft_p50_ms: Optional[float]
@@ -92,14 +95,14 @@ class Level:
     peak_server_gpu_gib: Optional[float] = None
     peak_rss_gib: Optional[float] = None
     peak_kv_cache_usage: Optional[float] = None
-    kv_usage_samples: int = 0
+    kv_usage_samples: Optional[int] = 0  # None: a document that does not record it (another tool's)
     preemptions: Optional[float] = None
     max_running: Optional[int] = None
     max_waiting: Optional[int] = None
     loop_lag_p99_ms: Optional[float] = None
     client_workers: Optional[int] = None
     client_cpu_util: Optional[float] = None
-    client_limited: bool = False
+    client_limited: Optional[bool] = False  # None: a document that does not record it
     goodput_req_s: Optional[float] = None
     achieved_rate: Optional[float] = None
     scheduled_rate: Optional[float] = None
@@ -116,37 +119,119 @@ class Level:
     prefix_cache: Optional[dict[str, Any]] = None
     cache_reset: Optional[dict[str, Any]] = None
     turns: Optional[list[dict[str, Any]]] = None
+    predicted_kv_usage: Optional[float] = None  # the planner's, where a document records it per level
     warnings: list[LevelWarning] = field(default_factory=list)
+    # not written: the throughput of each repeat, on a level that merges its repeats (Level.merge)
+    repeat_throughputs: Optional[tuple[float, ...]] = field(default=None, repr=False, compare=False)
+    # the keys of the document the level was read from (None: built by the runner); to_json writes these
+    present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Level":
         """A level as a document holds it (kvexp's result.json, or another tool's level mapped onto kvexp's
         keys): what it lacks is None (unknown), keys no field names are ignored; recorded warnings keep
         their code, text and values (a plain-text warning of schema_version 1 gets the code "warn")."""
-        names = {f.name: f for f in fields(cls)}
-        kw: dict[str, Any] = {n: d.get(n) for n in names if n != "warnings"}
-        for n, f in names.items():
-            if kw.get(n) is None and f.default is not MISSING:
-                kw[n] = f.default
-            elif kw.get(n) is None and f.default_factory is not MISSING:  # type: ignore[misc]
-                kw[n] = f.default_factory()  # type: ignore[misc]
+        kw: dict[str, Any] = {n: d.get(n) for n in _LEVEL_KEYS if n != "warnings"}
         kw["warnings"] = [LevelWarning(str(w.get("code") or "warn"), str(w.get("text", "")),
                                        dict(w.get("values") or {}))
                           if isinstance(w, dict) else LevelWarning("warn", str(w)) for w in d.get("warnings") or []]
-        return cls(**kw)
+        return cls(**kw, present=frozenset(k for k in d if k in _LEVEL_KEY_SET))
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        """The level as a document holds it: a level read from one writes back the keys it was read with;
+        one the runner built writes every figure (null: unknown), the optional blocks only where they apply."""
+        if self.present is not None:
+            out = {k: getattr(self, k) for k in _LEVEL_KEYS if k in self.present}
+            if "warnings" in out:
+                out["warnings"] = [w.to_json() for w in self.warnings]
+            return out
+        out = {k: getattr(self, k) for k in _LEVEL_KEYS}
         out["warnings"] = [w.to_json() for w in self.warnings]
         for key in ("achieved_rate", "scheduled_rate", "status_reason", "repeats", "kv_usage_sampled_peak",
-                    "cache_reset", "turns"):
+                    "cache_reset", "turns", "predicted_kv_usage"):
             if out[key] is None:  # only where they apply (open loop, a failed level, the last repeat)
                 del out[key]
         return out
 
+    def keys(self) -> list[str]:
+        """The keys the level's document holds (to_json's), in field order."""
+        if self.present is not None:
+            return [k for k in _LEVEL_KEYS if k in self.present]
+        return list(self.to_json())
+
+    @property
+    def x(self) -> Optional[tuple[str, float]]:
+        """Where the level sits: ("concurrency", c) closed loop, ("rate", r) open loop, None when it names
+        neither (another tool's level may not)."""
+        for kind in ("concurrency", "rate"):
+            v = getattr(self, kind)
+            if is_num(v):
+                return (kind, float(v))
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    @property
+    def warnings_recorded(self) -> bool:
+        """Whether the document recorded the level's warnings (kvexp's own do; the reference document and
+        other tools' files do not, and analysis makes them from the figures: figure_warnings)."""
+        return self.present is None or "warnings" in self.present
+
+    @property
+    def warning_codes(self) -> set[str]:
+        return {w.code for w in self.warnings}
+
+    def value(self, key: str) -> Any:
+        """A figure by registry key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
+        head, dot, rest = key.partition(".")
+        if head not in _LEVEL_KEY_SET:
+            return None
+        v = getattr(self, head)
+        if not dot:
+            return v
+        return v.get(rest) if isinstance(v, dict) else None
+
+    def number(self, key: str) -> Optional[float]:
+        """A figure as a float (None: missing, or not a finite number)."""
+        v = self.value(key)
+        return float(v) if is_num(v) else None
+
+    @classmethod
+    def merge(cls, group: Sequence["Level"]) -> "Level":
+        """Repeats of one level as one: sums of counts, maxima of peaks, means of everything else (the
+        failed ones left out unless every one failed); repeat_throughputs holds each repeat's throughput."""
+        ok = [lv for lv in group if not lv.failed] or list(group)
+        if len(ok) == 1:
+            return ok[0]
+        changes: dict[str, Any] = {}
+        for key in _LEVEL_KEYS:
+            vals = [float(v) for lv in ok if is_num(v := getattr(lv, key))]
+            if key in ("concurrency", "rate", "repeat") or not vals:
+                continue
+            if key in _SUM_KEYS:
+                changes[key] = sum(vals)
+            elif key.startswith("peak_") or key in _MAX_KEYS:
+                changes[key] = max(vals)
+            else:
+                changes[key] = statistics.fmean(vals)
+        if is_num(changes.get("errors")):
+            changes["errors"] = int(changes["errors"])
+        present = None if any(lv.present is None for lv in ok) else frozenset().union(*(lv.present for lv in ok))
+        return replace(ok[0], **changes, present=present,
+                       repeat_throughputs=tuple(float(lv.throughput_tok_s) for lv in ok if is_num(lv.throughput_tok_s)))
+
+
+_LEVEL_KEYS = tuple(f.name for f in fields(Level) if f.name not in ("present", "repeat_throughputs"))
+_LEVEL_KEY_SET = frozenset(_LEVEL_KEYS)
+_SUM_KEYS = {"requests", "errors", "preemptions", "output_tokens"}
+_MAX_KEYS = {"max_running", "max_waiting", "loop_lag_p99_ms"}
+
 
 def level_x(level: dict[str, Any]) -> Optional[tuple[str, float]]:
-    """Where a level of a result document sits: ("concurrency", c) closed loop, ("rate", r) open loop,
+    """Where a level of a result document's JSON sits (the runner's and the file readers' view; a typed
+    Level has its own `x`): ("concurrency", c) closed loop, ("rate", r) open loop,
     None when it names neither (another tool's level may not)."""
     for kind in ("concurrency", "rate"):
         if is_num(level.get(kind)):
