@@ -10,6 +10,8 @@ import pytest
 from kvexp.planning import calibration as calib
 from kvexp import backends
 from kvexp.capacity.planner import GIB_BYTES, ModelArch, plan_job
+from kvexp.results.documents import JobResult
+from kvexp.results.runs import Run
 
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
@@ -22,7 +24,7 @@ GPU = "NVIDIA GeForce RTX 5070 Ti"
 
 
 def _measurements():
-    return calib.measurements_from_runs(REF["runs"], ARCHS)
+    return calib.measurements_from_runs([Run.from_json(r) for r in REF["runs"]], ARCHS)
 
 
 def test_rows_reproduce_the_reference_calibration():
@@ -112,8 +114,9 @@ def test_kvexp_job_result_with_its_planner_block():
         "gpu": {"name": GPU, "memory_gib": 15.92},
         "planner": plan, "levels": [{"peak_vram_gib": 15.7}],
     }
-    assert calib.calibration_rows([result]) == [REF["calibration"][0]]
-    (m,) = calib._measurements([result])
+    job = JobResult.from_json(result)
+    assert calib.calibration_rows([job]) == [REF["calibration"][0]]
+    (m,) = calib._measurements([job])
     assert m.preset == "qwen2.5-7b" and m.peak_vram_gib == 15.7
 
 

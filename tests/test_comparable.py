@@ -11,6 +11,8 @@ import pytest
 
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.findings import compute_findings
+from kvexp.results.documents import JobResult
+from kvexp.results.runs import Aggregate, Run
 from kvexp.results.validate import config_hash
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -37,7 +39,7 @@ def write(tmp: Path, docs: dict) -> list[Path]:
 
 
 def verdict_of(tmp: Path, docs: dict) -> dict:
-    (v,) = collect(write(tmp, docs))["verdicts"]
+    (v,) = collect(write(tmp, docs)).verdicts
     return v
 
 
@@ -104,7 +106,7 @@ def test_an_interrupted_run_never_wins(tmp_path):
     assert v["excluded"] == ["llama.cpp q8_0 (llamacpp-smollm2-q8_0-smoke): not compared, because it did not "
                              "finish (status partial: interrupted (SIGINT) after level 2); a partial run never wins"]
     agg = collect(write(tmp_path / "again", {"a": a, "b": b}))
-    assert all(r["best"]["label"] != "llamacpp-smollm2-q8_0-smoke" for r in agg["recommendations"])
+    assert all(r["best"]["label"] != "llamacpp-smollm2-q8_0-smoke" for r in agg.recommendations)
     assert not [f for f in compute_findings(agg) if f.kind.startswith(("best", "kv_gain"))]
 
 
@@ -160,8 +162,8 @@ def test_a_dispersed_level_says_so_instead_of_a_threshold_above_100_percent(tmp_
             lv["tpot_p95_ms"] = lv["tpot_p50_ms"] * 60
             lv["tpot_p99_ms"] = lv["tpot_p50_ms"] * 61
     agg = collect(write(tmp_path, {"a": a, "b": b}))
-    texts = [v["why"] + " " + v["caveat"] for v in agg["verdicts"]]
-    texts += [f.sentence for f in compute_findings(agg)] + [r["sentence"] for r in agg["recommendations"]]
+    texts = [v["why"] + " " + v["caveat"] for v in agg.verdicts]
+    texts += [f.sentence for f in compute_findings(agg)] + [r["sentence"] for r in agg.recommendations]
     joined = "\n".join(texts)
     assert "a level too dispersed to compare: run scenario.repeats=3 or more requests per level" in joined
     for m in re.finditer(r"(\d[\d,.]*) %", joined):
@@ -174,12 +176,12 @@ def test_a_cross_engine_comparison_says_first_that_engines_and_weights_differ(tm
     v["model"].update(path="/models/SmolLM2-135M-Instruct.Q4_1-bf16-b179c9523d0e", weights_format="bfloat16")
     v["environment"]["placement"] = a["environment"]["placement"]
     same_load(a, v)
-    (verdict,) = collect(write(tmp_path, {"a": a, "v": v}))["verdicts"]
+    (verdict,) = collect(write(tmp_path, {"a": a, "v": v})).verdicts
     assert verdict["why"].startswith("Engines and weights differ together here (llama.cpp ")
     assert "vLLM 0." in verdict["why"].split(")", 1)[0] + verdict["why"]
     v["environment"]["placement"] = {"mode": "shared", "server_cpus": None, "client_cpus": None,
                                       "reason": "vLLM places its own threads"}
-    (verdict,) = collect(write(tmp_path / "2", {"a": a, "v": v}))["verdicts"]
+    (verdict,) = collect(write(tmp_path / "2", {"a": a, "v": v})).verdicts
     assert verdict["choice"] == [] and any("another CPU placement" in x for x in verdict["excluded"])
 
 
@@ -228,7 +230,7 @@ def test_the_kv_dtype_card_on_real_runs_and_a_slowdown_beyond_the_noise_names_it
         lb["tpot_p50_ms"] = la["tpot_p50_ms"] * 1.02
         lb["tpot_p95_ms"] = lb["tpot_p99_ms"] = lb["tpot_p50_ms"] * 1.01
     agg = collect(write(tmp_path, {"a": a, "b": b}))
-    (card,) = agg["kv_cards"]
+    (card,) = agg.kv_cards
     base, q8 = card["rows"]
     assert (base["kv"], base["kv_bytes_per_token"]) == ("fp16", 23040)
     assert (q8["kv"], q8["kv_bytes_per_token"]) == ("q8_0", 12240)
@@ -244,7 +246,7 @@ def test_the_kv_dtype_card_on_real_runs_and_a_slowdown_beyond_the_noise_names_it
     quality = md.split("## Quality", 1)[1]
     assert quality.split("\n###", 2)[1].startswith(" The KV-dtype card: llama.cpp, SmolLM2-135M-Instruct.Q4_1.gguf")
     assert "| q8_0 | rotated | 12,240 | 963 (1.88×) | 1: +50.0 % (beyond the 5 % noise)" in quality
-    assert json.loads((tmp_path / "report" / "comparison.json").read_text())["kv_cards"] == agg["kv_cards"]
+    assert json.loads((tmp_path / "report" / "comparison.json").read_text())["kv_cards"] == agg.kv_cards
     csv_text = (tmp_path / "report" / "comparison.csv").read_text()
     assert "card_ttft_p50_change_pct" in csv_text.splitlines()[0]
 
@@ -274,7 +276,7 @@ def test_the_card_carries_a_k_v_pair_with_the_kld_llama_perplexity_gives_by_hand
     assert (d512["kld_mean"], d512["top1_agreement"], d512["delta_ppl"]) == (0.00812, 0.95, -0.107703)
     from kvexp.analysis.card import card_rows, kv_cards
 
-    (card,) = kv_cards({"runs": [collect_run(base), collect_run(pair)]})
+    (card,) = kv_cards(Aggregate(runs=[collect_run(base), collect_run(pair)]))
     row = card["rows"][1]
     assert (row["kv"], row["kv_bytes_per_token"], row["depth"], row["kld_mean"], row["top1_agreement"],
             row["delta_ppl"], row["rotation"]) == ("q8_0/q4_0", 9360, 4096, 0.007082, 0.94317, 0.071694, "rotated")
@@ -285,7 +287,7 @@ def test_the_card_carries_a_k_v_pair_with_the_kld_llama_perplexity_gives_by_hand
     assert cells[6:] == ["0.00708 (depth 4096)", "94.317 %", "+0.07"]
 
 
-def collect_run(doc: dict) -> dict:
+def collect_run(doc: dict) -> Run:
     from kvexp.analysis.aggregate import run_of
 
-    return run_of(doc)
+    return run_of(JobResult.from_json(doc))

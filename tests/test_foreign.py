@@ -14,6 +14,7 @@ from kvexp.app.cli import main
 from kvexp.metrics.registry import format_value
 from kvexp.report.render import render_report
 from kvexp.analysis.aggregate import collect
+from kvexp.results.runs import Aggregate
 from kvexp.results.store import ResultError, load_any
 
 FIX = Path(__file__).parent / "fixtures" / "foreign"
@@ -27,8 +28,9 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def run_of_tool(agg: dict, tool: str) -> dict:
-    (run,) = [r for r in agg["runs"] if r.get("tool") == tool]
+def run_of_tool(agg: Aggregate, tool: str) -> dict:
+    """The run another tool measured, as the aggregate's file holds it."""
+    (run,) = [r.to_json() for r in agg.runs if r.tool == tool]
     return run
 
 
@@ -101,9 +103,9 @@ def test_aiperf_exports_group_into_one_run_with_the_files_values():
 
 def test_the_mixed_report_puts_every_tool_in_the_kvexp_scenario(tmp_path):
     agg = collect([FIX])
-    tools = sorted(str(r.get("tool")) for r in agg["runs"])
+    tools = sorted(str(r.tool) for r in agg.runs)
     assert tools == ["AIPerf", "GuideLLM", "None", "vLLM bench serve"]
-    assert {r["scenario"] for r in agg["runs"]} == {"smoke"}  # one table, one set of charts
+    assert {r.scenario for r in agg.runs} == {"smoke"}  # one table, one set of charts
     files = render_report(agg, tmp_path, formats=("md", "html"))
     md, html = files["md"].read_text(), files["html"].read_text()
     assert "CPU only: " in md.splitlines()[0] and "unknown GPU" not in md
@@ -111,7 +113,7 @@ def test_the_mixed_report_puts_every_tool_in_the_kvexp_scenario(tmp_path):
         assert name in md and name in html
     assert "Measured by GuideLLM" in md and "Measured by AIPerf" in html
     table = md.split("## Scenario: smoke", 1)[1]
-    for run in agg["runs"]:
+    for run in (r.to_json() for r in agg.runs):
         for lv in run["levels"]:
             row = f"| {run['label']} | {'fp16' if not run.get('tool') else '—'} | {lv['concurrency']} |"
             line = next(ln for ln in table.splitlines() if ln.startswith(row))

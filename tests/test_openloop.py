@@ -13,6 +13,7 @@ from kvexp.backends.pool import ServerPool
 from kvexp.measure.loadgen import arrival_offsets
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import write_job_summary
+from kvexp.results.documents import JobResult
 from kvexp.results.validate import check_file
 
 
@@ -23,7 +24,7 @@ def run(tmp: Path, binary: Path, *overrides: str) -> tuple[dict, list[dict], Pat
         res = run_job(cfg, tmp, pool=pool)
     finally:
         pool.release()
-    write_job_summary(res, tmp)
+    write_job_summary(JobResult.from_json(res), tmp)
     assert check_file(tmp / "result.json") == [] and check_file(tmp / "requests.jsonl") == []
     reqs = [json.loads(x) for x in (tmp / "requests.jsonl").read_text().splitlines()]
     return res, [q for q in reqs if not q["warmup"]], tmp

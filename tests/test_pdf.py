@@ -15,6 +15,7 @@ import pytest
 
 from kvexp.report import pdf
 from kvexp.report import render as R
+from kvexp.results.runs import Aggregate
 
 PDFTOTEXT = shutil.which("pdftotext")
 pytestmark = [pytest.mark.skipif(pdf.support() is not None, reason="WeasyPrint cannot load here"),
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.skipif(pdf.support() is not None, reason="WeasyPrint c
 @pytest.fixture(scope="module")
 def html(reference_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("pdf-html")
-    R.render_report(json.loads(reference_path.read_text()), out, formats=("html",))
+    R.render_report(Aggregate.from_json(json.loads(reference_path.read_text())), out, formats=("html",))
     return (out / "report.html").read_text(), out
 
 

@@ -5,6 +5,7 @@ misses."""
 from __future__ import annotations
 
 from kvexp.analysis import recommend
+from kvexp.results.runs import Aggregate
 
 SLO = {"slo_ttft_ms": 100.0, "slo_tpot_ms": None, "percentile": "p95"}
 
@@ -26,7 +27,7 @@ def _run(label, kv, levels, slo=SLO, **kw):
 
 
 def _agg(*runs):
-    return {"gpu": "G", "gpu_gib": 24.0, "runs": list(runs)}
+    return Aggregate.from_json({"gpu": "G", "gpu_gib": 24.0, "runs": list(runs)})
 
 
 def test_the_most_users_within_the_slo_wins_with_its_margin_and_quality():

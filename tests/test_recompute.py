@@ -11,6 +11,7 @@ import pytest
 
 from kvexp.planning import recompute
 from kvexp.report import render as R
+from kvexp.results.runs import Aggregate
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +29,14 @@ def _wrong(ref: dict) -> dict:
 
 
 def test_the_reference_is_reproduced_from_its_own_inputs(reference):
-    checks = recompute.check_document(reference)
+    checks = recompute.check_document(Aggregate.from_json(reference))
     assert [(c.backend, c.kv_dtype, c.kvexp_tokens, c.agrees) for c in checks] == [
         ("vllm", "auto", 143040, True), ("vllm", "fp8", 286096, True)]
     assert [c.kvexp_error_pct for c in checks] == [-9.5, 5.1]
 
 
 def test_wrong_document_figures_are_flagged_and_kvexps_are_used(reference):
-    checks = recompute.check_document(_wrong(reference))
+    checks = recompute.check_document(Aggregate.from_json(_wrong(reference)))
     assert [(c.document_tokens, c.kvexp_tokens, c.agrees) for c in checks] == [
         (100000, 143040, False), (222222, 286096, False)]
     assert "(100,000 tokens) disagrees with kvexp's planner on the same inputs (143,040 tokens)" in checks[0].sentence
@@ -45,14 +46,14 @@ def test_rows_kvexp_cannot_recompute_say_why(reference):
     doc = copy.deepcopy(reference)
     doc["calibration"][0]["preset"] = "no-such-model"
     doc["calibration"][1]["model"] = "a model no run serves"
-    a, b = recompute.check_document(doc)
+    a, b = recompute.check_document(Aggregate.from_json(doc))
     assert a.kvexp_tokens is None and "preset 'no-such-model'" in a.reason
     assert b.kvexp_tokens is None and "backend" in b.reason and b.agrees is None
 
 
 def test_the_report_shows_kvexps_figures_beside_the_documents(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "none.json"))
-    R.render_report(_wrong(reference), tmp_path, formats=("md",))
+    R.render_report(Aggregate.from_json(_wrong(reference)), tmp_path, formats=("md",))
     text = (tmp_path / "report.md").read_text()
     findings = text.split("## Findings", 1)[1].split("## Setup", 1)[0]
     assert "Planner predictions, recomputed by kvexp" in findings
@@ -75,7 +76,7 @@ def test_the_report_shows_kvexps_figures_beside_the_documents(reference, tmp_pat
 
 def test_a_document_that_agrees_says_so(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "none.json"))
-    R.render_report(copy.deepcopy(reference), tmp_path, formats=("md",))
+    R.render_report(Aggregate.from_json(copy.deepcopy(reference)), tmp_path, formats=("md",))
     text = (tmp_path / "report.md").read_text()
     assert "kvexp's planner reproduces the document's prediction for qwen2.5-7b auto on 15.92 GiB: 143,040 tokens." in text
     assert "DISAGREES" not in text

@@ -19,6 +19,7 @@ from kvexp.metrics import levels, registry, stats
 from kvexp.report.render import render_report
 from kvexp.report.summary import render_job_summary, write_sweep_outputs
 from kvexp.report.tables import NESTED_LEVEL_BLOCKS
+from kvexp.results.documents import JobResult
 from kvexp.results.validate import config_hash, errors_of
 
 FIX = Path(__file__).parent / "fixtures" / "foreign"
@@ -196,7 +197,7 @@ def test_csv_columns_are_registry_keys(sweep, mixed):
 
 
 def test_job_summary_columns_are_registry_headers():
-    text = render_job_summary(enriched_result())
+    text = render_job_summary(JobResult.from_json(enriched_result()))
     checked = 0
     for heading, head in md_tables(text):
         if heading.startswith(JOB_OTHER_SECTIONS):

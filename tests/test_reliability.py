@@ -23,6 +23,7 @@ from kvexp.backends.pool import ServerPool
 from kvexp.backends.process import ServerProcess, free_port
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import render_job_summary
+from kvexp.results.documents import JobResult
 from kvexp.results.store import load_document
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,7 +76,7 @@ def test_each_fault_is_classified_and_fails_its_level(tmp_path, fake_binary, poo
     assert "srv  log_server_r: request:" in r["backend"]["log_tail"]
     rows = [json.loads(x) for x in (tmp_path / "job" / "requests.jsonl").read_text().splitlines()]
     assert [q["error_kind"] for q in rows if not q["warmup"]] == [kind] * 4
-    assert f"level 2: FAILED — 4/4 requests failed ({kind} 4)" in render_job_summary(r)
+    assert f"level 2: FAILED — 4/4 requests failed ({kind} 4)" in render_job_summary(JobResult.from_json(r))
     assert pool.current is None  # a server is not kept after a job that did not complete
 
 

@@ -17,6 +17,7 @@ from kvexp.metrics.levels import Level, level_warnings
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import render_job_summary, repeat_cell
+from kvexp.results.documents import JobResult
 from kvexp.results.validate import check_file
 
 
@@ -63,15 +64,15 @@ def test_goodput_counts_requests_within_the_objectives(repeated):
 
 def test_summaries_show_repeats_and_flag_unstable_figures(repeated):
     res, out = repeated
-    text = render_job_summary(res)
+    text = render_job_summary(JobResult.from_json(res))
     assert "## Repeats" in text and " ± " in text and "(CV " in text
     shaky = copy.deepcopy(res)
     shaky["levels"][-1]["repeats"]["throughput_tok_s"]["cv"] = 0.25
-    assert "**unstable**" in render_job_summary(shaky)
-    assert repeat_cell({"repeats": {"ttft_p50_ms": {"mean": 12.0, "ci95": 1.5, "cv": 0.05, "n": 3}}},
+    assert "**unstable**" in render_job_summary(JobResult.from_json(shaky))
+    assert repeat_cell(Level.from_json({"repeats": {"ttft_p50_ms": {"mean": 12.0, "ci95": 1.5, "cv": 0.05, "n": 3}}}),
                        "ttft_p50_ms") == "12 ± 1.5 (CV 5.0 %)"
     agg = collect([out])  # the aggregate keeps the repeat summary and validates
-    assert agg["runs"][0]["levels"][2]["repeats"]["throughput_tok_s"]["n"] == 3
+    assert agg.runs[0].levels[2].repeats["throughput_tok_s"]["n"] == 3
 
 
 def test_unstable_repeats_are_warned():

@@ -25,6 +25,7 @@ from kvexp.report import tables as T
 from kvexp.report.markdown import md_escape
 from kvexp.report.setup_view import default_title
 from kvexp.report.templating import ReportError, templates_dir
+from kvexp.results.runs import Aggregate, Run
 
 PDFTOPPM = shutil.which("pdftoppm") or ("/usr/bin/pdftoppm" if Path("/usr/bin/pdftoppm").is_file() else None)
 
@@ -44,7 +45,7 @@ def reference(reference_path: Path) -> dict:
 def rendered(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """The reference rendered once, every format (the PDF is the slow part: a few seconds)."""
     out = tmp_path_factory.mktemp("reference-report")
-    files = R.render_report(copy.deepcopy(reference), out)
+    files = R.render_report(Aggregate.from_json(copy.deepcopy(reference)), out)
     return out, files
 
 
@@ -139,7 +140,7 @@ def extended_aggregate() -> dict:
 def extended(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, dict]:
     agg = extended_aggregate()
     out = tmp_path_factory.mktemp("extended-report")
-    files = R.render_report(copy.deepcopy(agg), out, formats=("md", "html"))
+    files = R.render_report(Aggregate.from_json(copy.deepcopy(agg)), out, formats=("md", "html"))
     return agg, out, files
 
 
@@ -210,6 +211,7 @@ def _decimals(cell: str) -> int:
 def test_markdown_level_tables_trace_to_the_input(rendered, reference):
     out, _ = rendered
     by_header = {T.header(k): k for k in T.LEVEL_COLUMNS}
+    typed = {r.label: r for r in Aggregate.from_json(reference).runs}
     runs = {r["label"]: r for r in reference["runs"]}
     tables = [(h, rows) for h, rows in md_tables((out / "report.md").read_text()) if h[:2] == ["Run", "KV"]]
     assert len(tables) == 2  # one per scenario
@@ -218,13 +220,14 @@ def test_markdown_level_tables_trace_to_the_input(rendered, reference):
         for row in rows:
             cells = dict(zip(head, row))
             run = runs[cells["Run"]]
-            level = next(lv for lv in run["levels"] if str(lv["concurrency"]) == cells["Concurrency"])
+            i = next(i for i, lv in enumerate(run["levels"]) if str(lv["concurrency"]) == cells["Concurrency"])
+            level = run["levels"][i]
             for header, cell in cells.items():
                 key = by_header.get(header)
                 if key is None:
                     continue
                 value = level[key]
-                assert cell == T.level_cell(run, level, key), (run["label"], key)
+                assert cell == T.level_cell(typed[run["label"]], typed[run["label"]].levels[i], key), (run["label"], key)
                 if value is None:
                     assert run["backend"] in ("llamacpp", "ollama") and key in D.EXPOSURE_KEYS
                     assert cell == "not exposed"
@@ -252,7 +255,7 @@ def test_html_shows_the_same_numbers(rendered):
 
 
 def test_reference_findings(reference):
-    found = F.compute_findings(reference)
+    found = F.compute_findings(Aggregate.from_json(reference))
     best = [f for f in found
             if f.kind == "best_throughput" and f.scenario == "long" and f.numbers.get("concurrency") == 48]
     assert len(best) == 1 and best[0].runs[0] == "vllm-fp8kv-long"
@@ -280,7 +283,7 @@ def test_reference_findings_in_the_report(rendered):
 
 
 def test_reference_warnings(reference):
-    warns = FL.level_warnings(reference)
+    warns = FL.level_warnings(Aggregate.from_json(reference))
     assert {w.tag for w in warns} == {"spread"}
     assert {(w.label, reference["runs"][w.run_index]["levels"][w.level_index]["concurrency"]) for w in warns} == {
         ("vllm-fp16kv-long", 32), ("vllm-fp16kv-long", 48), ("vllm-fp8kv-long", 32), ("vllm-fp8kv-long", 48)}
@@ -341,7 +344,7 @@ def test_extended_aggregate_renders(extended):
 
 
 def test_extended_findings_and_warnings():
-    agg = extended_aggregate()
+    agg = Aggregate.from_json(extended_aggregate())
     found = F.compute_findings(agg)
     kinds = [f.kind for f in found]
     assert "failed" in kinds and "partial" in kinds and "failed_level" in kinds
@@ -355,11 +358,11 @@ def test_extended_findings_and_warnings():
     assert ("vllm-fp8-chat", "failed") in codes and ("vllm-fp8-chat", "errors") in codes
     assert ("vllm-fp8-chat", "cv") in codes  # 600 vs 450 tok/s across two repeats
     assert ("<script>alert(1)</script>", "errors") in codes and ("<script>alert(1)</script>", "n<20") in codes
-    plan = RP.run_plan(agg["runs"][0], agg)
+    plan = RP.run_plan(agg.runs[0], agg)
     assert plan.source == "run planner" and plan.max_concurrency == 31 and plan.calibrated_max_concurrency == 28
-    merged = D.sorted_levels(agg["runs"][0])
-    assert [lv["concurrency"] for lv in merged] == [1, 8, 32]
-    assert merged[1]["throughput_tok_s"] == 525.0 and merged[1]["requests"] == 96
+    merged = agg.runs[0].merged_levels()
+    assert [lv.concurrency for lv in merged] == [1, 8, 32]
+    assert merged[1].throughput_tok_s == 525.0 and merged[1].requests == 96
 
 
 def test_html_autoescapes_user_input(extended):
@@ -382,7 +385,7 @@ def test_markdown_escape():
 def test_missing_pango_still_writes_markdown_and_html(tmp_path, monkeypatch, reference):
     monkeypatch.setitem(sys.modules, "weasyprint", None)  # `import weasyprint` now raises ImportError
     agg = {**reference, "runs": reference["runs"][:2]}
-    files = R.render_report(agg, tmp_path, formats=("md", "html", "pdf"))
+    files = R.render_report(Aggregate.from_json(agg), tmp_path, formats=("md", "html", "pdf"))
     assert (tmp_path / "report.md").is_file() and (tmp_path / "report.html").is_file()
     assert "pdf" not in files and not (tmp_path / "report.pdf").exists()
     assert len(files.problems) == 1 and "apt-get install libpango-1.0-0 libpangoft2-1.0-0" in files.problems[0]
@@ -393,15 +396,17 @@ def test_missing_pango_still_writes_markdown_and_html(tmp_path, monkeypatch, ref
 def test_rendering_leaves_the_aggregate_alone(reference, tmp_path):
     agg = extended_aggregate()
     before, ref_before = copy.deepcopy(agg), copy.deepcopy(reference)
-    R.build_context(agg, None, None, svg=False)
-    R.build_context(reference, None, None, svg=False)
-    T.write_csv(agg, tmp_path / "c.csv")
+    typed, typed_ref = Aggregate.from_json(agg), Aggregate.from_json(reference)
+    R.build_context(typed, None, None, svg=False)
+    R.build_context(typed_ref, None, None, svg=False)
+    T.write_csv(typed, tmp_path / "c.csv")
     assert agg == before and reference == ref_before
+    assert typed.to_json() == before and typed_ref.to_json() == ref_before
 
 
 def test_default_title_and_override(reference, extended):
-    assert default_title(reference).startswith("kvexp comparison — NVIDIA GeForce RTX 5070 Ti — ")
-    ctx = R.build_context(reference, "My title", None, svg=False)
+    assert default_title(Aggregate.from_json(reference)).startswith("kvexp comparison — NVIDIA GeForce RTX 5070 Ti — ")
+    ctx = R.build_context(Aggregate.from_json(reference), "My title", None, svg=False)
     assert ctx["title"] == "My title"
     _, out, _ = extended
     assert (out / "report.md").read_text().startswith("# kvexp comparison — Test GPU — ")
@@ -409,13 +414,13 @@ def test_default_title_and_override(reference, extended):
 
 def test_unknown_format_is_one_line(tmp_path, reference):
     with pytest.raises(ReportError, match=r"formats=\['docx'\]: unknown docx"):
-        R.render_report(reference, tmp_path, formats=("docx",))
+        R.render_report(Aggregate.from_json(reference), tmp_path, formats=("docx",))
 
 
 def test_colours_follow_the_configuration():
     runs = [{"label": "vllm-fp8kv-chat", "scenario": "chat"}, {"label": "vllm-fp8kv-long", "scenario": "long"},
             {"label": "ollama", "scenario": "chat"}]
-    keys = [R.colour_key(r) for r in runs]
+    keys = [R.colour_key(Run.from_json(r)) for r in runs]
     assert keys[0] == keys[1] == "vllm-fp8kv" and keys[2] == "ollama"
     cmap = C.colour_map(keys)
     assert len(set(cmap.values())) == 2
@@ -435,7 +440,7 @@ def test_runs_sharing_a_label_are_told_apart_by_what_differs():
     def cfg(threads, out):
         return {"backend": {"name": "llamacpp", "threads": threads}, "output_dir": out, "label": ""}
 
-    runs = [{"label": "a"}, {"label": "a"}, {"label": "b"}, {"label": "c"}, {"label": "c"}]
+    runs = [Run(label=label) for label in ("a", "a", "b", "c", "c")]
     configs = [cfg(1, "/x/0"), cfg(2, "/x/1"), cfg(1, "/x/2"), cfg(1, "/y/0"), None]
     distinct_labels(runs, configs)
-    assert [r["label"] for r in runs] == ["a (threads=1)", "a (threads=2)", "b", "c (1)", "c (2)"]
+    assert [r.label for r in runs] == ["a (threads=1)", "a (threads=2)", "b", "c (1)", "c (2)"]

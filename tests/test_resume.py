@@ -151,6 +151,7 @@ def test_a_resumed_sweep_counts_only_the_jobs_it_ran_in_its_time():
     from datetime import datetime
 
     from kvexp.report.summary import sweep_timing, timing_line
+    from kvexp.results.documents import JobResult
 
     def job(started: str, finished: str, total: float) -> dict:
         return {"status": "complete", "started_at": started, "finished_at": finished, "backend": {},
@@ -158,6 +159,7 @@ def test_a_resumed_sweep_counts_only_the_jobs_it_ran_in_its_time():
 
     earlier = job("2026-12-01T10:00:00Z", "2026-12-01T10:10:00Z", 600.0)  # measured before the resume
     now = job("2026-12-02T09:00:05Z", "2026-12-02T09:01:05Z", 60.0)
+    earlier, now = JobResult.from_json(earlier), JobResult.from_json(now)
     t = sweep_timing([earlier, now], wall_s=70.0, since=datetime(2026, 12, 2, 9, 0, 0, 400000))
     assert (t["jobs"], t["earlier_jobs"], t["jobs_s"], t["parallel"], t["outside_jobs_s"]) == (1, 1, 60.0, False, 10.0)
     assert timing_line(t).endswith("; 1 job(s) finished in an earlier run of this folder, not counted")

@@ -188,7 +188,7 @@ def test_the_reports_recommendation_names_the_answer(grid_and_search, tmp_path, 
     monkeypatch.setenv("KVEXP_CALIBRATION", str(tmp_path / "none.json"))
     answer = grid_and_search["search"][0]["search"]["answer"]
     agg = collect([grid_and_search["grid"][1], grid_and_search["search"][1]])  # validates, with recommendations
-    (rec,) = agg["recommendations"]  # the grid set no SLO: the search's is the scenario's only one
+    (rec,) = agg.recommendations  # the grid set no SLO: the search's is the scenario's only one
     assert rec["met"] and rec["best"]["label"] == "search" and rec["best"]["capacity"] == answer
     R.render_report(agg, tmp_path, formats=("md",))
     text = (tmp_path / "report.md").read_text()

@@ -11,6 +11,8 @@ import pytest
 from kvexp.analysis.findings import compute_findings
 from kvexp.analysis.verdict import DRIFT_LIMIT, verdicts
 from kvexp.metrics import registry
+from kvexp.metrics.levels import Level
+from kvexp.results.runs import Aggregate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # What no text a person reads may contain: Python's reprs and its names for nothing.
@@ -38,7 +40,7 @@ def run(label, kv, tputs, bytes_per_token=None, backend="llamacpp", model="m.ggu
 
 def test_a_clear_lead_is_the_verdict_and_says_the_noise_it_beat():
     agg = {"runs": [run("a", "fp16", [(1, 100), (4, 300)], 512), run("b", "q8_0", [(1, 100), (4, 200)], 272)]}
-    (v,) = verdicts(agg)
+    (v,) = verdicts(Aggregate.from_json(agg))
     assert v.choice == ("llama.cpp fp16",)
     assert "run llama.cpp fp16 at concurrency 4" in v.why and "a measurable difference" in v.why
     assert v.caveat.startswith("Caveat: one run each: differences under 5 % are noise here; repeat with "
@@ -48,7 +50,7 @@ def test_a_clear_lead_is_the_verdict_and_says_the_noise_it_beat():
 def test_a_difference_within_noise_is_a_tie_and_memory_decides():
     # +20 % throughput for fp16, but each level's own spread makes the threshold far larger
     agg = {"runs": [run("a", "fp16", [(4, 120)], 512, spread=3.0), run("b", "q8_0", [(4, 100)], 272, spread=3.0)]}
-    (v,) = verdicts(agg)
+    (v,) = verdicts(Aggregate.from_json(agg))
     assert v.choice == ("llama.cpp q8_0",)
     assert "2 configurations tie" in v.why and "no measurable difference" in v.why
     assert "so KV memory decides: run llama.cpp q8_0" in v.why and "272 bytes per token against 512" in v.why
@@ -62,28 +64,29 @@ def test_drift_beyond_the_limit_drops_a_smaller_dtype_from_a_tie():
             # the drift is measured in another scenario, on the same backend, model and KV dtype
             run("qb", "q8_0", [], 272, scenario="quality", quality=DRIFT_LIMIT / 10),
             run("qc", "q4_0", [], 144, scenario="quality", quality=DRIFT_LIMIT * 5)]
-    chat = next(v for v in verdicts({"runs": runs}) if v.scenario == "chat")
+    chat = next(v for v in verdicts(Aggregate.from_json({"runs": runs})) if v.scenario == "chat")
     assert chat.choice == ("llama.cpp q8_0",), chat.why
     assert "mean KLD 0.001 at depth 512" in chat.why
-    quality = next(v for v in verdicts({"runs": runs}) if v.scenario == "quality")
+    quality = next(v for v in verdicts(Aggregate.from_json({"runs": runs})) if v.scenario == "quality")
     assert quality.choice == ("llama.cpp q8_0",) and "within a mean KLD of 0.01" in quality.why
 
 
 def test_equal_on_every_count_names_both():
     agg = {"runs": [run("a", "fp16", [(4, 100)], spread=3.0), run("b", "fp16", [(4, 101)], spread=3.0,
                                                                   backend="vllm")]}
-    (v,) = verdicts(agg)
+    (v,) = verdicts(Aggregate.from_json(agg))
     assert set(v.choice) == {"llama.cpp fp16", "vLLM fp16"} and "either will do" in v.why
 
 
 def test_a_burst_delivered_tpot_shows_the_servers_and_an_undersampled_peak_a_bound():
     lv = level(4, 100, tpot_p50_ms=0.02, server={"tpot_p50_ms": 21.5}, peak_kv_cache_usage=0.4,
                warnings=[{"code": "bursts", "text": "..."}, {"code": "kv_undersampled", "text": "..."}])
-    assert registry.shown_value(lv, "tpot_p50_ms") == "21.50 (server)"
-    assert registry.shown_value(lv, "itl_p50_ms") == "— (bursts)"
-    assert registry.shown_value(lv, "peak_kv_cache_usage").startswith("≥ 40")
-    assert registry.shown_value(dict(lv, peak_kv_cache_usage=0.0), "peak_kv_cache_usage") == "— (under-sampled)"
-    assert registry.shown_value(level(4, 100), "tpot_p50_ms") is None
+    shown = lambda d, key: registry.shown_value(Level.from_json(d), key)  # noqa: E731
+    assert shown(lv, "tpot_p50_ms") == "21.50 (server)"
+    assert shown(lv, "itl_p50_ms") == "— (bursts)"
+    assert shown(lv, "peak_kv_cache_usage").startswith("≥ 40")
+    assert shown(dict(lv, peak_kv_cache_usage=0.0), "peak_kv_cache_usage") == "— (under-sampled)"
+    assert shown(level(4, 100), "tpot_p50_ms") is None
 
 
 def rendered_texts(folder: Path) -> dict[str, str]:
@@ -142,7 +145,7 @@ def test_capacity_is_compared_only_within_one_scenario_and_slot_count():
     runs = [job("chat-fp16", "fp16", "chat", 4, 4096, 4096 * 512),
             job("q-fp16", "fp16", "quality", 16, 36864, 36864 * 512, quality=0.0),
             job("q-q8_0", "q8_0", "quality", 16, 36864, 36864 * 272, quality=0.001)]
-    (f,) = [f for f in quality_findings({"runs": runs}) if f.kind == "quality_trade"]
+    (f,) = [f for f in quality_findings(Aggregate.from_json({"runs": runs})) if f.kind == "quality_trade"]
     assert "0.53× KV memory for the same tokens" in f.sentence and "9.00×" not in f.sentence
 
 
@@ -150,32 +153,32 @@ def test_a_lead_measured_under_other_machine_load_is_not_a_winner():
     a, b = run("a", "fp16", [(4, 300)], 512), run("b", "q8_0", [(4, 200)], 272)
     a["levels"][0]["machine"] = {"load_avg_1m": 1.9, "cores": 2, "busy_share": 0.9, "steal_share": 0.0}
     b["levels"][0]["machine"] = {"load_avg_1m": 4.1, "cores": 2, "busy_share": 1.0, "steal_share": 0.12}
-    (v,) = verdicts({"runs": [a, b]})
+    (v,) = verdicts(Aggregate.from_json({"runs": [a, b]}))
     assert "leads" not in v.why and "tie" not in v.why and v.choice == ()
     assert ("llama.cpp q8_0 (b): not compared, because the machine's load differed (load 4.1 on 2 cores, CPU steal "
             "12 % here, load 1.9 on 2 cores for a): not comparable") in v.excluded
     b["levels"][0]["machine"] = dict(a["levels"][0]["machine"])
-    (v,) = verdicts({"runs": [a, b]})
+    (v,) = verdicts(Aggregate.from_json({"runs": [a, b]}))
     assert "leads" in v.why and "load" not in v.caveat and not v.excluded
 
 
 def test_a_kv_dtype_the_server_did_not_confirm_is_not_compared():
     a, b = run("a", "fp16", [(4, 300)], 512), run("b", "q8_0", [(4, 200)], 272)
     b["kv_cache"]["dtype"] = None
-    (v,) = verdicts({"runs": [a, b]})
+    (v,) = verdicts(Aggregate.from_json({"runs": [a, b]}))
     assert v.choice == () and v.excluded == ("llama.cpp q8_0 (b): not compared, because its server did not confirm "
                                              "the KV dtype asked for (q8_0): what ran is not known",)
-    (f,) = [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
+    (f,) = [f for f in compute_findings(Aggregate.from_json({"runs": [a, b]})) if f.kind == "kv_unconfirmed"]
     assert f.runs == (str(b["label"]),) and "did not confirm its KV dtype (asked: q8_0)" in f.sentence
     b["kv_cache"]["dtype"] = "q8_0"
-    (v,) = verdicts({"runs": [a, b]})
+    (v,) = verdicts(Aggregate.from_json({"runs": [a, b]}))
     assert "confirm" not in v.caveat and not v.excluded
-    assert not [f for f in compute_findings({"runs": [a, b]}) if f.kind == "kv_unconfirmed"]
+    assert not [f for f in compute_findings(Aggregate.from_json({"runs": [a, b]})) if f.kind == "kv_unconfirmed"]
 
 
 def test_a_clear_lead_also_names_its_memory_per_token_as_written():
     agg = {"runs": [run("a", "q8_0", [(4, 300)], 272), run("b", "fp16", [(4, 200)], 512)]}
-    (v,) = verdicts(agg)
+    (v,) = verdicts(Aggregate.from_json(agg))
     assert v.choice == ("llama.cpp q8_0",)
     assert "Its KV cache takes 272 bytes per token against 512 for llama.cpp fp16, 1.88x the tokens" in v.why
 

@@ -175,11 +175,12 @@ def test_ollamas_engine_states_its_kv_type_in_the_runners_load_request():
 
 def test_the_verdict_says_what_a_windowed_models_bytes_per_token_are_made_of():
     from kvexp.analysis.verdict import _window_words
+    from kvexp.results.runs import Run
 
-    run = {"planner": {"sliding_window": 512, "kv_bytes_per_token": 1632, "kv_window_bytes_per_sequence": 8355840}}
+    run = Run(planner={"sliding_window": 512, "kv_bytes_per_token": 1632, "kv_window_bytes_per_sequence": 8355840})
     assert _window_words(run) == (" it holds (a sliding-window model: 1,632 bytes per token in its global layers "
                                   "+ 7.97 MiB of window a sequence)")
-    assert _window_words({"planner": {"kv_bytes_per_token": 23040}}) == ""
+    assert _window_words(Run(planner={"kv_bytes_per_token": 23040})) == ""
 
 
 @pytest.mark.parametrize("ctx, slots, mib", [(384, 4, 27.0), (384, 2, 13.5), (4096, 2, 24 + 26.25), (4096, 1, 27)])

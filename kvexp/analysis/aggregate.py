@@ -12,17 +12,19 @@ from kvexp.analysis.verdict import verdicts
 from kvexp.core import __version__
 from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
+from kvexp.results.documents import JobResult
+from kvexp.results.runs import Aggregate, Run
 from kvexp.results.store import ResultError, find_results, load_any
 from kvexp.results.validate import SCHEMA_VERSION, validate_document
 
 
-def collect(paths: Iterable[Path]) -> dict[str, Any]:
+def collect(paths: Iterable[Path]) -> Aggregate:
     """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
-    runs: list[dict[str, Any]] = []
+    runs: list[Run] = []
     configs: list[Optional[dict[str, Any]]] = []  # each run's config, where its result is read here
     calibration: list[dict[str, Any]] = []
     planner = None
-    results: list[dict[str, Any]] = []
+    results: list[JobResult] = []
     gpu, gpu_gib, environment_ = None, None, None
     foreign_levels: list[Any] = []
     for path in find_results(paths):
@@ -30,89 +32,52 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         if kind == "foreign":
             foreign_levels += _foreign_levels(path, doc)
         elif kind == "aggregate":
-            runs += doc["runs"]
-            configs += [None] * len(doc["runs"])
-            calibration += doc.get("calibration") or []
-            planner = planner or doc.get("planner")
-            gpu, gpu_gib = gpu or doc.get("gpu"), gpu_gib or doc.get("gpu_gib")
-            environment_ = environment_ or doc.get("environment")
+            agg = Aggregate.from_json(doc)
+            runs += agg.runs
+            configs += [None] * len(agg.runs)
+            calibration += agg.calibration or []
+            planner = planner or agg.planner
+            gpu, gpu_gib = gpu or agg.gpu, gpu_gib or agg.gpu_gib
+            environment_ = environment_ or agg.environment
         else:
-            results.append(doc)
-            runs.append(run_of(doc, str(path)))
-            configs.append(doc.get("config"))
-            environment_ = environment_ or doc.get("environment")
-            gpu = gpu or doc["gpu"].get("name")
-            gpu_gib = gpu_gib or doc["gpu"].get("memory_gib")
+            job = JobResult.from_json(doc)
+            results.append(job)
+            runs.append(run_of(job, str(path)))
+            configs.append(job.config)
+            environment_ = environment_ or job.environment
+            gpu = gpu or job.gpu.name
+            gpu_gib = gpu_gib or job.gpu.memory_gib
     distinct_labels(runs, configs)
     if foreign_levels:
         runs += _foreign_runs(foreign_levels, runs)
     if results:
         calibration += calibration_rows(results)
-    agg = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "kvexp.aggregate",
-        "kvexp_version": __version__,
-        "environment": environment_,
-        "gpu": gpu,
-        "gpu_gib": gpu_gib,
-        "run_dates": sorted({r["started_at"] for r in runs if r.get("started_at")}),
-        "runs": runs,
-        "calibration": calibration,
-        "planner": planner,
-    }
-    agg["recommendations"] = recommendations(agg)
-    agg["verdicts"] = [v.to_json() for v in verdicts(agg)]
-    agg["kv_cards"] = kv_cards(agg)
-    validate_document(agg, "aggregate", where="aggregate")
+    agg = Aggregate(schema_version=SCHEMA_VERSION, kind="kvexp.aggregate", kvexp_version=__version__,
+                    environment=environment_, gpu=gpu, gpu_gib=gpu_gib,
+                    run_dates=sorted({r.started_at for r in runs if r.started_at}), runs=runs,
+                    calibration=calibration, planner=planner)
+    agg.recommendations = recommendations(agg)
+    agg.verdicts = [v.to_json() for v in verdicts(agg)]
+    agg.kv_cards = kv_cards(agg)
+    validate_document(agg.to_json(), "aggregate", where="aggregate")
     return agg
 
 
-def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:
+def run_of(result: JobResult, source: str | None = None) -> Run:
     """A job result as one run of the aggregate shape."""
-    kv_cache = {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None,
-                **result["kv_cache"]}
-    started = result.get("started_at") or ""
-    return {
-        "label": result["label"],
-        "backend": result["backend"]["name"],
-        "model": result["model"].get("path") or result["model"]["name"],
-        "scenario": result["scenario"]["name"],
-        "prompt_tokens": result["scenario"]["prompt_tokens"],
-        "max_tokens": result["scenario"]["max_tokens"],
-        "started_at": started.replace("T", " ")[:16] + " UTC" if started else None,
-        "gpu": result["gpu"].get("name"),
-        "gpu_gib": result["gpu"].get("memory_gib"),
-        "kv_cache": kv_cache,
-        "levels": result["levels"],
-        "status": result["status"],
-        "status_reason": result.get("status_reason"),
-        "backend_version": result["backend"].get("version"),
-        "launch_command": result["backend"].get("launch_command"),
-        "variable_length": result["scenario"]["variable_length"],
-        "kv_requested": result["kv"]["requested"],
-        "weights": {k: result["model"].get(k) for k in ("weights_format", "bits_per_weight", "params_b", "origin")},
-        "numerics": (result.get("server") or {}).get("numerics"),
-        "placement": (result.get("environment") or {}).get("placement"),
-        "reused_server": result["backend"]["reused_server"],
-        "planner": result.get("planner"),
-        "quality": result.get("quality"),
-        "workload": result.get("workload"),
-        "source": source,
-        "search": result.get("search"),
-        "slo": slo_of(result),
-    }
+    return Run.of_job(result, source)
 
 
 UNTOLD = ("output_dir", "resume", "label")  # config keys that do not tell two measurements apart
 
 
-def distinct_labels(runs: list[dict[str, Any]], configs: list[Optional[dict[str, Any]]]) -> None:
+def distinct_labels(runs: list[Run], configs: list[Optional[dict[str, Any]]]) -> None:
     """Runs that share a label (a sweep over a key the label does not name, such as backend.threads=1,2,
     or one label= for every job) get the settings that tell them apart added to it, e.g.
     `llamacpp-tiny-fp16-smoke (threads=2)`; runs whose configs differ in nothing get a number."""
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
-        groups.setdefault(r["label"], []).append(i)
+        groups.setdefault(r.label, []).append(i)
     taken = set(groups)
     for label, idx in groups.items():
         if len(idx) < 2:
@@ -125,7 +90,7 @@ def distinct_labels(runs: list[dict[str, Any]], configs: list[Optional[dict[str,
             tag = ", ".join(f"{k.rsplit('.', 1)[-1]}={f.get(k)}" for k in keys[:3])[:200] if f else ""
             new = f"{label} ({tag or n})"
             new = new if new not in taken else f"{label} ({tag + ', ' if tag else ''}#{n})"
-            runs[i]["label"] = new
+            runs[i].label = new
             taken.add(new)
 
 
@@ -138,15 +103,6 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def slo_of(result: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The job's latency objectives ({slo_ttft_ms, slo_tpot_ms, percentile}; None when it set none)."""
-    s = (result.get("config") or {}).get("scenario") or {}
-    if s.get("slo_ttft_ms") is None and s.get("slo_tpot_ms") is None:
-        return None
-    return {"slo_ttft_ms": s.get("slo_ttft_ms"), "slo_tpot_ms": s.get("slo_tpot_ms"),
-            "percentile": s.get("slo_percentile") or "p95"}
-
-
 def _foreign_levels(path: Path, doc: Any) -> list[Any]:
     try:
         return foreign.levels_of(doc, str(path))
@@ -154,17 +110,17 @@ def _foreign_levels(path: Path, doc: Any) -> list[Any]:
         raise ResultError(f"{path}: {e}") from None
 
 
-def _foreign_runs(levels: list[Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _foreign_runs(levels: list[Any], runs: list[Run]) -> list[Run]:
     """Other tools' levels as runs, each joining the scenario of kvexp's runs with the same prompt and
     output length, with a label no other run has."""
     try:
         new = foreign.runs_of(levels)
     except foreign.ForeignFormatError as e:
         raise ResultError(str(e)) from None
-    taken = {r["label"] for r in runs}
+    taken = {r.label for r in runs}
     for r in foreign.join_scenarios(new, runs):
-        label, n = r["label"], 2
-        while r["label"] in taken:
-            r["label"], n = f"{label} ({n})", n + 1
-        taken.add(r["label"])
+        label, n = r.label, 2
+        while r.label in taken:
+            r.label, n = f"{label} ({n})", n + 1
+        taken.add(r.label)
     return new

@@ -15,31 +15,31 @@ from typing import Any, Optional
 
 from kvexp.analysis import documents as D, noise
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share, ok_depths
-from kvexp.analysis.verdict import SIXTEEN_BIT, bytes_per_token
+from kvexp.analysis.verdict import SIXTEEN_BIT
 from kvexp.metrics import registry
-from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import is_num
+from kvexp.results.runs import Aggregate, Run
 
 PHASES = (("ttft", "ttft_p50_ms", "prefill"), ("tpot", "tpot_p50_ms", "decode"))
 
 
-def _deepest(run: dict) -> Optional[dict]:
-    q = run.get("quality")
+def _deepest(run: Run) -> Optional[dict]:
+    q = run.quality
     depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
     return max(depths, key=lambda d: d["context"]) if depths else None
 
 
-def _is_base(run: dict) -> bool:
-    return str(D.kv_name(run).name or "").lower() in SIXTEEN_BIT
+def _is_base(run: Run) -> bool:
+    return str(run.kv.name or "").lower() in SIXTEEN_BIT
 
 
-def _change(base: dict, run: dict, metric: str) -> list[dict[str, Any]]:
+def _change(base: Run, run: Run, metric: str) -> list[dict[str, Any]]:
     """The metric's change from the baseline at each concurrency (or rate) both measured, with its noise."""
-    theirs = {level_x(lv): lv for lv in D.sorted_levels(base) if level_x(lv) and D.usable(base, lv)}
+    theirs = {lv.x: lv for lv in base.merged_levels() if lv.x and base.usable(lv)}
     out = []
-    for lv in D.sorted_levels(run):
-        x = level_x(lv)
-        if not x or x not in theirs or not D.usable(run, lv):
+    for lv in run.merged_levels():
+        x = lv.x
+        if not x or x not in theirs or not run.usable(lv):
             continue
         v = noise.compare(run, lv, base, theirs[x], metric)
         if v is None or v.diff_pct is None:
@@ -58,12 +58,16 @@ def _change(base: dict, run: dict, metric: str) -> list[dict[str, Any]]:
     return out
 
 
-def _row(run: dict, base: dict) -> dict[str, Any]:
-    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
-    bpt, base_bpt = bytes_per_token(run), bytes_per_token(base)
-    window = D.num(p, "kv_window_bytes_per_sequence") if D.num(p, "sliding_window") else None
-    base_bytes = D.num(base.get("kv_cache") or {}, "bytes")
-    seqs = D.num(base.get("kv_cache") or {}, "seqs") or 1
+def _number(v: Any) -> Optional[float]:
+    return float(v) if is_num(v) else None
+
+
+def _row(run: Run, base: Run) -> dict[str, Any]:
+    p = run.planner or {}
+    bpt, base_bpt = run.bytes_per_token, base.bytes_per_token
+    window = _number(p.get("kv_window_bytes_per_sequence")) if _number(p.get("sliding_window")) else None
+    base_bytes = _number(base.kv_cache.bytes)
+    seqs = _number(base.kv_cache.seqs) or 1
     tokens = None
     if bpt and base_bytes:
         tokens = int((base_bytes - (window or 0) * seqs) // bpt) if base_bytes > (window or 0) * seqs else None
@@ -71,9 +75,9 @@ def _row(run: dict, base: dict) -> dict[str, Any]:
     delta_ppl = d.get("delta_ppl") if d else None
     if d is not None and delta_ppl is None and is_num(d.get("ppl")) and is_num(d.get("ppl_base")):
         delta_ppl = d["ppl"] - d["ppl_base"]
-    kv = D.kv_name(run)
+    kv = run.kv
     return {
-        "label": str(run.get("label")), "kv": kv.name, "rotation": kv.note,
+        "label": run.label, "kv": kv.name, "rotation": kv.note,
         "kv_bytes_per_token": bpt, "kv_window_bytes_per_sequence": window,
         "tokens_in_same_memory": tokens, "tokens_ratio": round(base_bpt / bpt, 3) if bpt and base_bpt else None,
         "ttft_change": _change(base, run, "ttft_p50_ms") if run is not base else [],
@@ -84,13 +88,13 @@ def _row(run: dict, base: dict) -> dict[str, Any]:
     }
 
 
-def kv_cards(aggregate: dict) -> list[dict[str, Any]]:
+def kv_cards(aggregate: Aggregate) -> list[dict[str, Any]]:
     """One card per model, backend and scenario that measured a 16-bit cache and at least one other KV
     configuration (complete runs only), rows in order of KV bytes per token, the 16-bit cache first."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in aggregate.get("runs") or []:
-        if D.run_status(r) == "complete" and not r.get("tool") and D.kv_name(r).name:
-            groups.setdefault((str(r.get("backend")), str(r.get("model")), str(r.get("scenario"))), []).append(r)
+    groups: dict[tuple, list[Run]] = {}
+    for r in aggregate.runs:
+        if r.state == "complete" and not r.tool and r.kv.name:
+            groups.setdefault((str(r.backend), str(r.model), str(r.scenario)), []).append(r)
     cards = []
     for (backend, model, scenario), runs in groups.items():
         bases = [r for r in runs if _is_base(r)]
@@ -100,8 +104,8 @@ def kv_cards(aggregate: dict) -> list[dict[str, Any]]:
         base = bases[0]
         rows = [_row(base, base)] + sorted((_row(r, base) for r in others),
                                            key=lambda row: row["kv_bytes_per_token"] or float("inf"))
-        cards.append({"backend": backend, "model": model.rsplit("/", 1)[-1], "weights": D.weights_display(base),
-                      "scenario": scenario, "baseline": D.kv_name(base).name, "rows": rows})
+        cards.append({"backend": backend, "model": model.rsplit("/", 1)[-1], "weights": base.weights_text,
+                      "scenario": scenario, "baseline": base.kv.name, "rows": rows})
     return cards
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvexp.analysis import conditions as C, documents as D
+from kvexp.results.runs import Run
 
 
 @dataclass(frozen=True)
@@ -38,27 +39,19 @@ class Left:
 class Field:
     """Runs that can be compared with each other; cross_engine: engines and their weights differ together."""
 
-    runs: tuple[dict, ...]
+    runs: tuple[Run, ...]
     cross_engine: bool = False
     engines: tuple[str, ...] = field(default=())  # cross_engine: "llama.cpp 0.3 on GGUF Q4_1 (file)" per engine
 
 
-def model_file(run: dict) -> str:
-    return str(run.get("model")).rsplit("/", 1)[-1]
+def weights_words(run: Run) -> str:
+    w = run.weights_text
+    return run.model_file if w == "—" else f"{w}, {run.model_file}"
 
 
-def weights_words(run: dict) -> str:
-    w = D.weights_display(run)
-    return model_file(run) if w == "—" else f"{w}, {model_file(run)}"
-
-
-def placement_key(run: dict) -> Optional[tuple[str, int]]:
+def placement_key(run: Run) -> Optional[tuple[str, int]]:
     """(mode, CPUs the server had) from environment.placement (None: not recorded, e.g. another tool's run)."""
-    p = run.get("placement")
-    if not isinstance(p, dict) or not p.get("mode"):
-        return None
-    cpus = p.get("server_cpus") or p.get("server_cpus_seen") or []
-    return str(p["mode"]), len(cpus) if isinstance(cpus, list) else 0
+    return run.placement.key if run.placement is not None else None
 
 
 def placement_words(key: Optional[tuple[str, int]]) -> str:
@@ -69,18 +62,14 @@ def placement_words(key: Optional[tuple[str, int]]) -> str:
         else "the server sharing every CPU with the client"
 
 
-def _confirmed(run: dict) -> bool:
-    kv = run.get("kv_cache") or {}
-    return bool(run.get("tool") or not run.get("kv_requested") or kv.get("dtype") or kv.get("dtype_k"))
+def _fingerprint(run: Run) -> str:
+    return json.dumps({k: v for k, v in run.to_json().items() if k not in ("label", "source")}, sort_keys=True,
+                      default=str)
 
 
-def _fingerprint(run: dict) -> str:
-    return json.dumps({k: v for k, v in run.items() if k not in ("label", "source")}, sort_keys=True, default=str)
-
-
-def _status_reason(run: dict) -> Optional[str]:
-    status = D.run_status(run)
-    why = D.first_line(run.get("status_reason"), 160)
+def _status_reason(run: Run) -> Optional[str]:
+    status = run.state
+    why = D.first_line(run.status_reason, 160)
     if status == "skipped":
         return "it was skipped, not run" + (f" ({why})" if why else "")
     if status == "failed":
@@ -90,34 +79,34 @@ def _status_reason(run: dict) -> Optional[str]:
     return None
 
 
-def _cross_engine(runs: list[dict]) -> bool:
+def _cross_engine(runs: list[Run]) -> bool:
     """Each backend served one weights file and each file one backend, and there are several backends."""
     by_backend: dict[str, set[str]] = {}
     by_weights: dict[str, set[str]] = {}
     for r in runs:
-        by_backend.setdefault(str(r.get("backend")), set()).add(weights_words(r))
-        by_weights.setdefault(weights_words(r), set()).add(str(r.get("backend")))
+        by_backend.setdefault(str(r.backend), set()).add(weights_words(r))
+        by_weights.setdefault(weights_words(r), set()).add(str(r.backend))
     return len(by_backend) > 1 and len(by_weights) > 1 and all(len(v) == 1 for v in by_backend.values()) \
         and all(len(v) == 1 for v in by_weights.values())
 
 
-def _engine(run: dict) -> str:
-    build = " ".join(str(p) for p in (D.backend_name(run.get("backend")), run.get("backend_version")) if p)
+def _engine(run: Run) -> str:
+    build = " ".join(str(p) for p in (run.backend_name, run.backend_version) if p)
     return f"{build} on {weights_words(run)}"
 
 
-def _differs(run: dict, ref: dict, cross: bool) -> str:
+def _differs(run: Run, ref: Run, cross: bool) -> str:
     """Why `run` is not comparable with `ref` (the field's first run), in words."""
-    if (run.get("prompt_tokens"), run.get("max_tokens")) != (ref.get("prompt_tokens"), ref.get("max_tokens")):
-        return (f"another workload ({run.get('prompt_tokens')} prompt / {run.get('max_tokens')} output tokens "
-                f"against {ref.get('prompt_tokens')} / {ref.get('max_tokens')})")
+    if (run.prompt_tokens, run.max_tokens) != (ref.prompt_tokens, ref.max_tokens):
+        return (f"another workload ({run.prompt_tokens} prompt / {run.max_tokens} output tokens "
+                f"against {ref.prompt_tokens} / {ref.max_tokens})")
     if weights_words(run) != weights_words(ref) and not cross:
         return f"other weights ({weights_words(run)} against {weights_words(ref)})"
     return (f"another CPU placement ({placement_words(placement_key(run))} against "
             f"{placement_words(placement_key(ref))})")
 
 
-def _load_clusters(runs: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:
+def _load_clusters(runs: list[Run]) -> tuple[list[Run], list[tuple[Run, str]]]:
     """The largest set of runs measured under like machine load (runs that recorded none join it), and the
     others with their load against the set's."""
     known = [(r, C.machine_load(r)) for r in runs]
@@ -125,7 +114,7 @@ def _load_clusters(runs: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]
     if len(loaded) < 2 or not C.loads_differ([v for _, v in loaded]):
         return runs, []
     loaded.sort(key=lambda rv: rv[1][0] / rv[1][2])
-    best: list[tuple[dict, Any]] = []
+    best: list[tuple[Run, Any]] = []
     for i in range(len(loaded)):
         group = [loaded[i]]
         for rv in loaded[i + 1:]:
@@ -139,21 +128,21 @@ def _load_clusters(runs: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]
     for r, v in loaded:
         if id(r) not in kept_ids or len(best) < 2:
             against = f"{ref} for the compared runs" if ref else "; ".join(
-                f"{C.load_words(w)} for {o.get('label')}" for o, w in loaded if o is not r)
+                f"{C.load_words(w)} for {o.label}" for o, w in loaded if o is not r)
             out.append((r, f"the machine's load differed ({C.load_words(v)} here, {against}): not comparable"))
     if len(best) < 2:
         return [], out
     return [r for r in runs if id(r) in kept_ids or C.machine_load(r) is None], out
 
 
-def partition(runs: list[dict]) -> tuple[list[Field], list[Left]]:
+def partition(runs: list[Run]) -> tuple[list[Field], list[Left]]:
     """A scenario's runs (one latency objective) as the fields that can be compared and the runs left out.
     A field holds two or more runs; a lone run that nothing excludes is a field of one."""
     left: list[Left] = []
     seen: dict[str, str] = {}
-    live: list[dict] = []
+    live: list[Run] = []
     for r in runs:
-        label = str(r.get("label"))
+        label = r.label
         why = _status_reason(r)
         if why is None:
             fp = _fingerprint(r)
@@ -161,33 +150,34 @@ def partition(runs: list[dict]) -> tuple[list[Field], list[Left]]:
                 why = f"it is an identical copy of {seen[fp]}: one run, counted once"
             else:
                 seen[fp] = label
-                if not _confirmed(r):
-                    why = (f"its server did not confirm the KV dtype asked for ({r.get('kv_requested')}): "
+                if not r.kv_confirmed:
+                    why = (f"its server did not confirm the KV dtype asked for ({r.kv_requested}): "
                            "what ran is not known")
         if why is None:
             live.append(r)
         else:
             left.append(Left(label, why))
     cross = _cross_engine(live)
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list[Run]] = {}
     for r in live:
-        key = (r.get("prompt_tokens"), r.get("max_tokens"), "cross" if cross else weights_words(r), placement_key(r))
+        key = (r.prompt_tokens, r.max_tokens, "cross" if cross else weights_words(r), placement_key(r))
         groups.setdefault(key, []).append(r)
     ordered = sorted(groups.values(), key=len, reverse=True)
     fields: list[Field] = []
-    lone: list[dict] = []
+    lone: list[Run] = []
     for g in ordered:
         kept, loaded = _load_clusters(g)
-        left += [Left(str(r.get("label")), why) for r, why in loaded]
+        left += [Left(r.label, why) for r, why in loaded]
         if len(kept) >= 2 or (len(kept) == 1 and len(live) == 1):
             engines = tuple(sorted({_engine(r) for r in kept})) if cross else ()
-            fields.append(Field(tuple(kept), cross and len({r.get("backend") for r in kept}) > 1, engines))
+            fields.append(Field(tuple(kept), cross and len({r.backend for r in kept}) > 1, engines))
         else:
             lone += kept
     for r in lone:
-        ref = fields[0].runs[0] if fields else next((o for o in live if o is not r and o in lone), None)
+        ref = fields[0].runs[0] if fields else next((o for o in live if o is not r and any(o is x for x in lone)),
+                                                    None)
         why = _differs(r, ref, cross) if ref is not None else "nothing like it was measured"
-        left.append(Left(str(r.get("label")), why))
-    order = {str(r.get("label")): i for i, r in enumerate(runs)}
+        left.append(Left(r.label, why))
+    order = {r.label: i for i, r in enumerate(runs)}
     left.sort(key=lambda x: order.get(x.label, 0))
     return fields, left

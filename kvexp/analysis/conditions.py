@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvexp.analysis import documents as D
 from kvexp.metrics.registry import is_num
+from kvexp.results.runs import Run
 
 # Two runs' machine conditions differ when their CPU steal differs by more than this share of CPU time,
 # or their load average per core by more than LOAD_PER_CORE_DIFF.
@@ -20,9 +20,9 @@ LOAD_PER_CORE_DIFF = 0.5
 Load = tuple[float, float, int]  # (mean 1-minute load average, highest CPU steal share, cores)
 
 
-def machine_load(run: dict) -> Optional[Load]:
+def machine_load(run: Run) -> Optional[Load]:
     """(mean 1-minute load average, highest CPU steal share, cores) over a run's levels; None: not recorded."""
-    ms = [lv["machine"] for lv in run.get("levels") or [] if isinstance(lv.get("machine"), dict)]
+    ms = [lv.machine for lv in run.levels if isinstance(lv.machine, dict)]
     loads = [m["load_avg_1m"] for m in ms if is_num(m.get("load_avg_1m"))]
     steals = [m["steal_share"] for m in ms if is_num(m.get("steal_share"))]
     cores = next((int(m["cores"]) for m in ms if is_num(m.get("cores")) and m["cores"] > 0), None)
@@ -43,7 +43,7 @@ def load_words(v: Load) -> str:
             + (f", CPU steal {steal * 100:.0f} %" if steal >= 0.005 else ""))
 
 
-def load_difference(run_a: dict, run_b: dict) -> Optional[str]:
+def load_difference(run_a: Run, run_b: Run) -> Optional[str]:
     """"load 1.9 on 2 cores vs load 4.1 on 2 cores, CPU steal 12 %" when the two runs' machine load
     differed; None when it did not or either run did not record it."""
     if run_a is run_b:
@@ -54,13 +54,13 @@ def load_difference(run_a: dict, run_b: dict) -> Optional[str]:
     return f"{load_words(a)} vs {load_words(b)}"
 
 
-def _server(run: dict) -> str:
-    build = " ".join(str(p) for p in (D.backend_name(run.get("backend")), run.get("backend_version")) if p)
-    weights = D.weights_display(run)
+def _server(run: Run) -> str:
+    build = " ".join(str(p) for p in (run.backend_name, run.backend_version) if p)
+    weights = run.weights_text
     return build if weights == "—" else f"{build} on {weights}"
 
 
-def setup_difference(run_a: dict, run_b: dict) -> str:
+def setup_difference(run_a: Run, run_b: Run) -> str:
     """" (llama.cpp 0.3.36 on GGUF Q4_1, 5.74 bits/weight vs vLLM 0.32.0 on bfloat16)" when two runs
     ran different engines or weights, so that a sentence comparing them says what it compares; ""
     when they ran the same."""

@@ -15,13 +15,13 @@ from kvexp.analysis import noise
 from kvexp.analysis.conditions import setup_difference
 from kvexp.analysis.card import card_findings, kv_cards
 from kvexp.analysis.comparable import partition
-from kvexp.analysis.documents import (Finding, backend_name, caps_output_only, exposes, first_line, fmt_x, kv_name, num,
-                                      run_kind, run_status, scenarios, sorted_levels, usable, x_words)
+from kvexp.analysis.documents import Finding, backend_name, first_line, fmt_x, x_words
 from kvexp.analysis.qualityfindings import quality_findings
 from kvexp.analysis.runplan import RunPlan, run_plan
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT
-from kvexp.metrics.levels import level_x
+from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import format_value, is_num
+from kvexp.results.runs import Aggregate, Run
 
 # Short spellings seen in other tools' labels, beside planner.KV_BYTES_PER_ELEMENT's.
 _KV_ALIASES = {"q8": "q8_0", "q4": "q4_0", "auto": "fp16"}
@@ -42,27 +42,23 @@ SATURATION_TPUT_GROWTH = 0.10  # throughput grows less than this between two lev
 SATURATION_TTFT_GROWTH = 0.50  # ... while TTFT p50 grows more than this: requests queue
 
 
-def _candidates(runs: list[dict], metric: str) -> dict[tuple[str, float], list[tuple[dict, float]]]:
-    by_x: dict[tuple[str, float], list[tuple[dict, float]]] = {}
+def _candidates(runs: list[Run], metric: str) -> dict[tuple[str, float], list[tuple[Run, float]]]:
+    by_x: dict[tuple[str, float], list[tuple[Run, float]]] = {}
     for run in runs:
-        for lv in sorted_levels(run):
-            x, v = level_x(lv), num(lv, metric)
-            if x is not None and v is not None and usable(run, lv):
+        for lv in run.merged_levels():
+            x, v = lv.x, lv.number(metric)
+            if x is not None and v is not None and run.usable(lv):
                 by_x.setdefault(x, []).append((run, v))
     return by_x
 
 
-def _level_at(run: dict, x: tuple[str, float]) -> Optional[dict]:
-    return next((lv for lv in sorted_levels(run) if level_x(lv) == x), None)
-
-
-def _verdict(run_a: dict, run_b: dict, x: tuple[str, float], metric: str) -> Optional["noise.Verdict"]:
+def _verdict(run_a: Run, run_b: Run, x: tuple[str, float], metric: str) -> Optional["noise.Verdict"]:
     """Whether two runs differ measurably at one level (kvexp/analysis/noise.py)."""
-    la, lb = _level_at(run_a, x), _level_at(run_b, x)
+    la, lb = run_a.level_at(x), run_b.level_at(x)
     return None if la is None or lb is None else noise.compare(run_a, la, run_b, lb, metric)
 
 
-def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
+def best_per_level(scenario: str, runs: list[Run]) -> list[Finding]:
     """At each concurrency (or rate) with two or more runs: the highest throughput, the lowest TTFT p95."""
     out: list[Finding] = []
     for metric, kind, better, unit, what in (
@@ -80,45 +76,45 @@ def best_per_level(scenario: str, runs: list[dict]) -> list[Finding]:
             numbers = {xk: x, metric: bv, "next": nv, "diff_pct": diff, "candidates": len(cands),
                        **(v.numbers() if v else {})}
             if v is not None and not v.measurable:
-                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) "
-                            f"and {nxt.get('label')} ({run_kind(nxt)}) "
+                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.label} ({best.kind}) "
+                            f"and {nxt.label} ({nxt.kind}) "
                             f"{'cannot be told apart' if v.dispersed else 'show no measurable difference'} in "
                             f"{what.split(' ', 2)[-1]}: {format_value(metric, bv)} vs {format_value(metric, nv)} "
                             f"{unit}{setup_difference(best, nxt)} ({v.reason}).")
             else:
-                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.get('label')} ({run_kind(best)}) has "
-                            f"{what}, {format_value(metric, bv)} {unit}; next is {nxt.get('label')} ({run_kind(nxt)}), "
+                sentence = (f"{scenario}, {x_words(xk)} {fmt_x(xk, x)}: {best.label} ({best.kind}) has "
+                            f"{what}, {format_value(metric, bv)} {unit}; next is {nxt.label} ({nxt.kind}), "
                             f"{format_value(metric, nv)} {unit}{diff_txt}{setup_difference(best, nxt)}"
                             + (f", {v.phrase}." if v else "."))
-            out.append(Finding(kind, sentence, scenario, (str(best.get("label")), str(nxt.get("label"))), numbers))
+            out.append(Finding(kind, sentence, scenario, (best.label, nxt.label), numbers))
     return out
 
 
-def _runner_up_peak(runs: list[dict], winner: dict) -> Optional[tuple[dict, dict, float]]:
+def _runner_up_peak(runs: list[Run], winner: Run) -> Optional[tuple[Run, Level, float]]:
     """The highest-throughput level of any other run: (run, level, throughput)."""
-    best: Optional[tuple[dict, dict, float]] = None
+    best: Optional[tuple[Run, Level, float]] = None
     for run in runs:
         if run is winner:
             continue
-        for lv in sorted_levels(run):
-            v = num(lv, "throughput_tok_s")
-            if v is not None and usable(run, lv) and level_x(lv) and (best is None or v > best[2]):
+        for lv in run.merged_levels():
+            v = lv.number("throughput_tok_s")
+            if v is not None and run.usable(lv) and lv.x and (best is None or v > best[2]):
                 best = (run, lv, v)
     return best
 
 
-def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
+def best_overall(scenario: str, runs: list[Run]) -> list[Finding]:
     """The highest throughput anywhere in the scenario; the run with the lowest TTFT p95 at most levels."""
     out: list[Finding] = []
-    peak: Optional[tuple[dict, dict, float]] = None
+    peak: Optional[tuple[Run, Level, float]] = None
     for run in runs:
-        for lv in sorted_levels(run):
-            v = num(lv, "throughput_tok_s")
-            if v is not None and usable(run, lv) and level_x(lv) and (peak is None or v > peak[2]):
+        for lv in run.merged_levels():
+            v = lv.number("throughput_tok_s")
+            if v is not None and run.usable(lv) and lv.x and (peak is None or v > peak[2]):
                 peak = (run, lv, v)
     if peak is not None and len(runs) > 1:
         run, lv, v = peak
-        xk, x = level_x(lv)  # type: ignore[misc]
+        xk, x = lv.x  # type: ignore[misc]
         tail, numbers = "", {"throughput_tok_s": v, xk: x}
         lead = "the highest throughput overall is"
         second = _runner_up_peak(runs, run)
@@ -126,9 +122,9 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
             r2, lv2, v2 = second
             vd = noise.compare(run, lv, r2, lv2, "throughput_tok_s")
             if vd is not None:
-                numbers.update(vd.numbers(), runner_up=str(r2.get("label")), runner_up_tok_s=v2)
-                x2k, x2 = level_x(lv2)  # type: ignore[misc]
-                other = (f"{r2.get('label')} ({run_kind(r2)}), {format_value('throughput_tok_s', v2)} "
+                numbers.update(vd.numbers(), runner_up=r2.label, runner_up_tok_s=v2)
+                x2k, x2 = lv2.x  # type: ignore[misc]
+                other = (f"{r2.label} ({r2.kind}), {format_value('throughput_tok_s', v2)} "
                          f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}{setup_difference(run, r2)}")
                 if vd.measurable:
                     tail = f"; the runner-up, {other}, shows {vd.phrase}"
@@ -136,24 +132,24 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
                     lead, tail = "the highest throughput is a tie between", f", and {other}: {vd.phrase}"
         out.append(Finding(
             "best_overall_throughput",
-            f"{scenario}: {lead} {run.get('label')} ({run_kind(run)}), "
+            f"{scenario}: {lead} {run.label} ({run.kind}), "
             f"{format_value('throughput_tok_s', v)} tok/s at {x_words(xk)} {fmt_x(xk, x)}{tail}.",
-            scenario, (str(run.get("label")),), numbers))
+            scenario, (run.label,), numbers))
     by_x = _candidates(runs, "ttft_p95_ms")
     contested = {x: c for x, c in by_x.items() if len(c) >= 2}
     if contested:
         wins: dict[str, list[tuple[str, float]]] = {}
         for x, cands in sorted(contested.items()):
             best = min(cands, key=lambda rv: rv[1])[0]
-            wins.setdefault(str(best.get("label")), []).append(x)
+            wins.setdefault(best.label, []).append(x)
         top_x = max(contested)
         winner = max(wins, key=lambda lab: (len(wins[lab]), top_x in wins[lab]))
-        run = next(r for r in runs if str(r.get("label")) == winner)
+        run = next(r for r in runs if r.label == winner)
         xs = wins[winner]
         at = ", ".join(format_value(k, v) for k, v in xs)
         out.append(Finding(
             "best_overall_ttft_p95",
-            f"{scenario}: {winner} ({run_kind(run)}) has the lowest TTFT p95 at {len(xs)} of {len(contested)} "
+            f"{scenario}: {winner} ({run.kind}) has the lowest TTFT p95 at {len(xs)} of {len(contested)} "
             f"levels ({x_words(xs[0][0])} {at}).",
             scenario, (winner,), {"wins": len(xs), "levels": len(contested), "at": [v for _, v in xs]}))
     return out
@@ -183,15 +179,15 @@ def _noise_tail(xk: str, pairs: list[tuple]) -> str:
     return f"; {' and '.join(parts)} (against {basis})"
 
 
-def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float]] = None) -> list[Finding]:
+def kv_gains(scenario: str, runs: list[Run], kv_bytes: Optional[dict[str, float]] = None) -> list[Finding]:
     """The throughput change of a smaller KV dtype over a larger one, same backend and model, per level."""
     table = {str(k): float(v) for k, v in (kv_bytes or {}).items() if is_num(v)}
-    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    groups: dict[tuple[str, str], dict[str, Run]] = {}
     for run in runs:
-        kv = kv_name(run).name
-        if kv is None or run_status(run) == "failed":
+        kv = run.kv.name
+        if kv is None or run.state == "failed":
             continue
-        groups.setdefault((str(run.get("backend")), str(run.get("model"))), {}).setdefault(kv, run)
+        groups.setdefault((str(run.backend), str(run.model)), {}).setdefault(kv, run)
     out: list[Finding] = []
     for (backend, _model), by_kv in groups.items():
         names = list(by_kv)
@@ -201,12 +197,12 @@ def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float
                 # The smaller dtype is the one whose gain is reported; unknown sizes keep input order.
                 new, base = (b, a) if ba is not None and bb is not None and bb < ba else (a, b)
                 rn, rb = by_kv[new], by_kv[base]
-                tb = {level_x(lv): num(lv, "throughput_tok_s") for lv in sorted_levels(rb) if usable(rb, lv)}
+                tb = {lv.x: lv.number("throughput_tok_s") for lv in rb.merged_levels() if rb.usable(lv)}
                 pairs = []
-                for lv in sorted_levels(rn):
-                    x, v = level_x(lv), num(lv, "throughput_tok_s")
+                for lv in rn.merged_levels():
+                    x, v = lv.x, lv.number("throughput_tok_s")
                     old = tb.get(x)
-                    if x is not None and v is not None and old and usable(rn, lv):
+                    if x is not None and v is not None and old and rn.usable(lv):
                         pairs.append((x, v, old, _pct_change(v, old), _verdict(rn, rb, x, "throughput_tok_s")))
                 if not pairs:
                     continue
@@ -216,23 +212,23 @@ def kv_gains(scenario: str, runs: list[dict], kv_bytes: Optional[dict[str, float
                 out.append(Finding(
                     "kv_gain",
                     f"{backend_name(backend)}, {scenario}: {new} KV changes throughput by {gains} over {base} KV "
-                    f"at {x_words(xk)} {xs} ({rn.get('label')} vs {rb.get('label')}){_noise_tail(xk, pairs)}.",
-                    scenario, (str(rn.get("label")), str(rb.get("label"))),
+                    f"at {x_words(xk)} {xs} ({rn.label} vs {rb.label}){_noise_tail(xk, pairs)}.",
+                    scenario, (rn.label, rb.label),
                     {"kv": new, "baseline_kv": base, "backend": backend,
                      "levels": [{xk: x[1], "throughput_tok_s": v, "baseline_tok_s": o, "gain_pct": g,
                                  **(vd.numbers() if vd else {})} for x, v, o, g, vd in pairs]}))
     return out
 
 
-def saturation(scenario: str, run: dict) -> Optional[Finding]:
+def saturation(scenario: str, run: Run) -> Optional[Finding]:
     """Where throughput stops growing while TTFT keeps rising (requests queue instead of being served)."""
-    pts = [(level_x(lv), num(lv, "throughput_tok_s"), num(lv, "ttft_p50_ms")) for lv in sorted_levels(run)
-           if usable(run, lv)]
+    pts = [(lv.x, lv.number("throughput_tok_s"), lv.number("ttft_p50_ms")) for lv in run.merged_levels()
+           if run.usable(lv)]
     pts = [(x, t, f) for x, t, f in pts if x is not None and t is not None]
     if len(pts) < 2 or len({x[0] for x, _, _ in pts}) != 1:
         return None
     xk = pts[0][0][0]
-    label, who = str(run.get("label")), f"{run.get('label')} ({run_kind(run)}, {scenario})"
+    label, who = run.label, f"{run.label} ({run.kind}, {scenario})"
     tputs = [t for _, t, _ in pts]
     chain = " → ".join(format_value("throughput_tok_s", t) for t in tputs)
     xs = " → ".join(format_value(xk, x[1]) for x, _, _ in pts)
@@ -242,7 +238,7 @@ def saturation(scenario: str, run: dict) -> Optional[Finding]:
         if f0 is not None and f1 is not None and f1 > f0 * (1 + SATURATION_TTFT_GROWTH):
             queue = (f" while TTFT p50 rises from {format_value('ttft_p50_ms', f0)} to "
                      f"{format_value('ttft_p50_ms', f1)} ms: requests queue")
-        name, kv = backend_name(run.get("backend")), kv_name(run).name
+        name, kv = run.backend_name, run.kv.name
         return Finding(
             "no_growth",
             f"{name}'s throughput does not grow with {x_words(xk)} in the {scenario} scenario ({chain} tok/s at "
@@ -265,23 +261,23 @@ def saturation(scenario: str, run: dict) -> Optional[Finding]:
     return None
 
 
-def preemption_onset(scenario: str, run: dict, plan: Optional["RunPlan"] = None) -> Optional[Finding]:
+def preemption_onset(scenario: str, run: Run, plan: Optional["RunPlan"] = None) -> Optional[Finding]:
     """The first level with preemptions, or that none happened, for runs whose backend exposes them."""
-    if not exposes(run, "preemptions"):
+    if not run.exposes("preemptions"):
         return None
-    levels = [lv for lv in sorted_levels(run) if usable(run, lv) and level_x(lv)]
+    levels = [lv for lv in run.merged_levels() if run.usable(lv) and lv.x]
     if not levels:
         return None
-    label, who = str(run.get("label")), f"{run.get('label')} ({run_kind(run)}, {scenario})"
+    label, who = run.label, f"{run.label} ({run.kind}, {scenario})"
     predicted = ""
     if plan is not None and plan.max_concurrency is not None:
         room = format_value("concurrency", plan.max_concurrency)
         predicted = f"; the planner ({plan.source}) predicts room for {room} concurrent requests"
     for lv in levels:
-        p = num(lv, "preemptions")
+        p = lv.number("preemptions")
         if p:
-            xk, x = level_x(lv)  # type: ignore[misc]
-            kv = num(lv, "peak_kv_cache_usage")
+            xk, x = lv.x  # type: ignore[misc]
+            kv = lv.number("peak_kv_cache_usage")
             kv_txt = f", peak KV usage {format_value('peak_kv_cache_usage', kv)} %" if kv is not None else ""
             return Finding(
                 "preemption",
@@ -289,47 +285,47 @@ def preemption_onset(scenario: str, run: dict, plan: Optional["RunPlan"] = None)
                 f"preemptions{kv_txt}){predicted}.",
                 scenario, (label,), {xk: x, "preemptions": p, "peak_kv_cache_usage": kv,
                                      "predicted_max_concurrency": plan.max_concurrency if plan else None})
-    xk, x = level_x(levels[-1])  # type: ignore[misc]
-    kvs = [v for v in (num(lv, "peak_kv_cache_usage") for lv in levels) if v is not None]
+    xk, x = levels[-1].x  # type: ignore[misc]
+    kvs = [v for v in (lv.number("peak_kv_cache_usage") for lv in levels) if v is not None]
     kv_txt = f" (peak KV usage {format_value('peak_kv_cache_usage', max(kvs))} %)" if kvs else ""
     return Finding(
         "no_preemption", f"{who}: no preemptions up to {x_words(xk)} {fmt_x(xk, x)}{kv_txt}{predicted}.",
         scenario, (label,), {xk: x, "peak_kv_cache_usage": max(kvs) if kvs else None})
 
 
-def not_exposed(runs: Iterable[dict]) -> Optional[Finding]:
+def not_exposed(runs: Iterable[Run]) -> Optional[Finding]:
     # Runs from another tool's file say what that tool does not record in their own section.
-    hidden = [r for r in runs if r.get("levels") and not exposes(r, "peak_kv_cache_usage") and not r.get("tool")]
+    hidden = [r for r in runs if r.levels and not r.exposes("peak_kv_cache_usage") and not r.tool]
     if not hidden:
         return None
-    backends = sorted({backend_name(r.get("backend")) for r in hidden})
+    backends = sorted({r.backend_name for r in hidden})
     return Finding(
         "not_exposed",
         f"KV-cache usage is not exposed by {', '.join(backends)} ({len(hidden)} run{'s' if len(hidden) != 1 else ''}); "
         "those cells read \"not exposed\", not 0.",
-        None, tuple(str(r.get("label")) for r in hidden), {"backends": backends})
+        None, tuple(r.label for r in hidden), {"backends": backends})
 
 
-def kv_unconfirmed(run: dict) -> Optional[Finding]:
+def kv_unconfirmed(run: Run) -> Optional[Finding]:
     """A kvexp run whose server did not state the KV dtype it applied: its figures are the asked one's
     only as far as the server honoured it."""
-    asked = run.get("kv_requested")
-    if run.get("tool") or not asked or (run.get("kv_cache") or {}).get("dtype") or not run.get("levels"):
+    asked = run.kv_requested
+    if run.tool or not asked or run.kv_cache.dtype or not run.levels:
         return None
     return Finding(
         "kv_unconfirmed",
-        f"{run.get('label')} ({backend_name(run.get('backend'))}): the server did not confirm its KV dtype (asked: "
+        f"{run.label} ({run.backend_name}): the server did not confirm its KV dtype (asked: "
         f"{asked}); its figures are what was asked, not what is known to have run.",
-        str(run.get("scenario")), (str(run.get("label")),), {"kv_requested": asked})
+        str(run.scenario), (run.label,), {"kv_requested": asked})
 
 
-def variable_length(run: dict) -> Optional[Finding]:
-    flag = run.get("variable_length")
-    assumed = flag is None and caps_output_only(run)
+def variable_length(run: Run) -> Optional[Finding]:
+    flag = run.variable_length
+    assumed = flag is None and run.caps_output_only
     if not (flag is True or assumed):
         return None
-    outs = [v for v in (num(lv, "mean_output_tokens") for lv in run.get("levels") or []) if v is not None]
-    cap = run.get("max_tokens")
+    outs = [v for v in (lv.number("mean_output_tokens") for lv in run.levels) if v is not None]
+    cap = run.max_tokens
     detail = ""
     if outs:
         detail = f"; mean output {format_value('mean_output_tokens', min(outs))}–" \
@@ -338,38 +334,38 @@ def variable_length(run: dict) -> Optional[Finding]:
     cap_txt = f" (capped at {cap} tokens{detail})" if cap is not None else ""
     return Finding(
         "variable_length",
-        f"{run.get('label')} ({backend_name(run.get('backend'))}): output length was not forced{cap_txt}, so its "
+        f"{run.label} ({run.backend_name}): output length was not forced{cap_txt}, so its "
         f"throughput and TPOT are not strictly comparable with forced-length runs{why}.",
-        str(run.get("scenario")), (str(run.get("label")),), {"max_tokens": cap, "assumed": assumed})
+        str(run.scenario), (run.label,), {"max_tokens": cap, "assumed": assumed})
 
 
-def failures(run: dict) -> list[Finding]:
+def failures(run: Run) -> list[Finding]:
     out: list[Finding] = []
-    status, label = run_status(run), str(run.get("label"))
+    status, label = run.state, run.label
     if status in ("failed", "partial", "skipped"):
-        reason = first_line(run.get("status_reason"))
+        reason = first_line(run.status_reason)
         verb = {"failed": "failed", "partial": "is partial", "skipped": "was skipped"}[status]
         out.append(Finding(
-            status, f"{label} ({run_kind(run)}, {run.get('scenario')}) {verb}" + (f": {reason}" if reason else "."),
-            str(run.get("scenario")), (label,), {"status": status}))
-    for lv in run.get("levels") or []:
-        if lv.get("status") == "failed" and level_x(lv):
-            xk, x = level_x(lv)  # type: ignore[misc]
-            reason = first_line(lv.get("status_reason"))
+            status, f"{label} ({run.kind}, {run.scenario}) {verb}" + (f": {reason}" if reason else "."),
+            str(run.scenario), (label,), {"status": status}))
+    for lv in run.levels:
+        if lv.failed and lv.x:
+            xk, x = lv.x  # type: ignore[misc]
+            reason = first_line(lv.status_reason)
             out.append(Finding(
                 "failed_level", f"{label}: the level at {x_words(xk)} {fmt_x(xk, x)} failed"
-                + (f": {reason}" if reason else "."), str(run.get("scenario")), (label,), {xk: x}))
+                + (f": {reason}" if reason else "."), str(run.scenario), (label,), {xk: x}))
     return out
 
 
-def compute_findings(aggregate: dict) -> list[Finding]:
+def compute_findings(aggregate: Aggregate) -> list[Finding]:
     """Every finding, in report order: failures, best per scenario, KV dtypes, saturation, preemption, caveats."""
-    kv_bytes = (aggregate.get("planner") or {}).get("kv_bytes") or {}
+    kv_bytes = (aggregate.planner or {}).get("kv_bytes") or {}
     out: list[Finding] = []
-    runs = list(aggregate.get("runs") or [])
+    runs = aggregate.runs
     for run in runs:
         out += failures(run)
-    groups = scenarios(aggregate)
+    groups = aggregate.scenarios()
     # runs set against each other only within a field of comparable runs (comparable.partition): a partial,
     # copied or unconfirmed run, other weights or other machine load are never "the best"
     fields = [(scen, list(f.runs)) for scen, srun in groups for f in partition(srun)[0]]

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvexp.analysis.documents import first_line, fmt_x, is_num, num, x_words
+from kvexp.analysis.documents import first_line, fmt_x, is_num, x_words
 from kvexp.metrics import stats
 from kvexp.metrics.levels import (MAX_CV, TAGS, WARNING_CODES as LEVEL_WARNING_CODES, Level, LevelWarning,
-                                  figure_warnings, level_x)
+                                  figure_warnings)
+from kvexp.results.runs import Aggregate
 
 
 @dataclass(frozen=True)
@@ -23,38 +24,25 @@ class Flag:
     code: str
     tag: str
     run_index: int
-    level_index: int  # index into run["levels"] as given
+    level_index: int  # index into run.levels as given
     label: str
     scenario: str
     message: str
 
 
-def repeat_stats(level: dict) -> dict[str, Optional[float]]:
-    """n, cv (a fraction) and ci95 of throughput over repeats, from whatever the level carries:
-    a `repeats` summary object ({n, cv, ci95, mean} or {"throughput_tok_s": {...}}), a list of repeat
-    throughputs, a count, top-level `cv` / `throughput_ci95`, or repeats merged by sorted_levels."""
+def repeat_stats(level: Level) -> dict[str, Optional[float]]:
+    """n, cv (a fraction) and ci95 of throughput over repeats, from the level's `repeats` summary
+    ({"throughput_tok_s": {n, cv, ci95, mean}, ...}, or one such summary), or from the repeats a
+    merged level holds (Level.merge)."""
     out: dict[str, Any] = {"n": None, "cv": None, "ci95": None}
-    r = level.get("repeats")
+    r = level.repeats
     if isinstance(r, dict):
         src = r.get("throughput_tok_s") if isinstance(r.get("throughput_tok_s"), dict) else r
         out.update(n=src.get("n", r.get("n")), cv=src.get("cv"), ci95=src.get("ci95", r.get("throughput_ci95")))
-    elif isinstance(r, list):
-        vals = [num(x, "throughput_tok_s") if isinstance(x, dict) else (float(x) if is_num(x) else None) for x in r]
-        out["n"] = len(r)
-        level = {**level, "repeat_throughputs": [v for v in vals if v is not None]}
-    elif is_num(r):
-        out["n"] = r
-    vals = level.get("repeat_throughputs")
-    if isinstance(vals, list) and len(vals) >= 2 and out["cv"] is None:
+    vals = level.repeat_throughputs
+    if vals is not None and len(vals) >= 2 and out["cv"] is None:
         out["n"] = out["n"] or len(vals)
-        out["cv"] = stats.repeat_summary(vals)["cv"]  # type: ignore[index]
-    cv = level.get("cv")
-    if isinstance(cv, dict):
-        cv = cv.get("throughput_tok_s")
-    if is_num(cv):
-        out["cv"] = float(cv)
-    if level.get("throughput_ci95") is not None:
-        out["ci95"] = level["throughput_ci95"]
+        out["cv"] = stats.repeat_summary(list(vals))["cv"]  # type: ignore[index]
     return out
 
 
@@ -66,36 +54,35 @@ def _unstable(cv: Optional[float], n: Optional[float]) -> Optional[LevelWarning]
                         {"cv": cv, "n": n})
 
 
-def level_warnings(aggregate: dict) -> list[Flag]:
+def level_warnings(aggregate: Aggregate) -> list[Flag]:
     """Every flagged level of the document's runs, in run and level order: a failed level; the warnings
     a level recorded (shown with their own texts), else figure_warnings on its figures; a CV across
     repeats at or above MAX_CV, from the level's own repeat summary or from its repeat entries."""
     out: list[Flag] = []
-    for ri, run in enumerate(aggregate.get("runs") or []):
-        label, scen = str(run.get("label")), str(run.get("scenario") or "unnamed")
+    for ri, run in enumerate(aggregate.runs):
+        label, scen = run.label, str(run.scenario or "unnamed")
         first_of: dict[tuple[str, float], int] = {}
         repeats: dict[tuple[str, float], list[float]] = {}
-        for li, lv in enumerate(run.get("levels") or []):
-            x = level_x(lv)
+        for li, level in enumerate(run.levels):
+            x = level.x
             where = f"{label} at {x_words(x[0])} {fmt_x(*x)}" if x else f"{label} level {li + 1}"
-            if x and (lv.get("repeat") or 0) > 0:
-                where += f" (repeat {lv['repeat']})"
+            if x and (level.repeat or 0) > 0:
+                where += f" (repeat {level.repeat})"
 
             def add(w: LevelWarning) -> None:
                 out.append(Flag(w.code, TAGS.get(w.code, w.code), ri, li, label, scen, f"{where}: {w.text}"))
 
             if x is not None:
                 first_of.setdefault(x, li)
-                if is_num(lv.get("throughput_tok_s")) and lv.get("status", "ok") != "failed":
-                    repeats.setdefault(x, []).append(float(lv["throughput_tok_s"]))
-            if lv.get("status") == "failed":
-                reason = first_line(lv.get("status_reason"))
+                if is_num(level.throughput_tok_s) and not level.failed:
+                    repeats.setdefault(x, []).append(float(level.throughput_tok_s))  # type: ignore[arg-type]
+            if level.failed:
+                reason = first_line(level.status_reason)
                 add(LevelWarning("failed", "the level failed" + (f": {reason}" if reason else "")))
-            level = Level.from_json(lv)
-            recorded = isinstance(lv.get("warnings"), list)
+            recorded = level.warnings_recorded
             for w in level.warnings if recorded else figure_warnings(level):
                 add(w)
-            rs = repeat_stats(lv)
+            rs = repeat_stats(level)
             if not (recorded and any(w.code == "unstable" for w in level.warnings)) and \
                     (w := _unstable(rs["cv"], rs["n"])) is not None:
                 add(w)

@@ -21,7 +21,9 @@ from typing import Any, Optional
 
 from kvexp.analysis import conditions
 from kvexp.metrics import registry
+from kvexp.metrics.levels import Level
 from kvexp.metrics.stats import repeat_summary
+from kvexp.results.runs import Run
 
 MIN_EFFECT = 0.05  # the smallest relative difference called a difference without repeats
 # A threshold above this is no threshold a reader can act on: the level is too dispersed to compare.
@@ -88,39 +90,31 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _x(level: dict) -> Optional[tuple[str, float]]:
-    for k in ("concurrency", "rate"):
-        if _is_num(level.get(k)) and (k == "concurrency" or not _is_num(level.get("concurrency"))):
-            return k, float(level[k])
-    return None
-
-
-def repeat_values(run: dict, level: dict, metric: str) -> list[float]:
+def repeat_values(run: Run, level: Level, metric: str) -> list[float]:
     """The metric in every repeat of this level that did not fail (the run's level entries at its x)."""
-    x = _x(level)
+    x = level.x
     if x is None:
         return []
-    return [float(lv[metric]) for lv in run.get("levels") or []
-            if isinstance(lv, dict) and _x(lv) == x and lv.get("status", "ok") != "failed"
-            and _is_num(lv.get(metric))]
+    return [v for lv in run.levels if lv.x == x and not lv.failed and (v := lv.number(metric)) is not None]
 
 
-def relative_se(level: dict, metric: str) -> Optional[float]:
+def relative_se(level: Level, metric: str) -> Optional[float]:
     """The level's own relative standard error for a figure, from its latency spread (None: unknown)."""
     kind = registry.metric(metric).spread
-    p50, p95, n = level.get(f"{kind}_p50_ms"), level.get(f"{kind}_p95_ms"), level.get("requests")
+    p50, p95, n = level.value(f"{kind}_p50_ms"), level.value(f"{kind}_p95_ms"), level.requests
     if not kind or not (_is_num(p50) and _is_num(p95) and _is_num(n)) or p50 <= 0 or n < 1:
         return None
-    errors = level.get("errors") if _is_num(level.get("errors")) else 0
+    errors = level.errors if _is_num(level.errors) else 0
     ok = max(1.0, float(n) - float(errors))
     return max(0.0, p95 - p50) / Z_P95 / p50 / math.sqrt(ok)
 
 
-def compare(run_a: dict, level_a: dict, run_b: dict, level_b: dict, metric: str = "throughput_tok_s") -> Optional[Verdict]:
+def compare(run_a: Run, level_a: Level, run_b: Run, level_b: Level, metric: str = "throughput_tok_s"
+            ) -> Optional[Verdict]:
     """Whether level_a's metric differs measurably from level_b's (None when either lacks it)."""
     load = conditions.load_difference(run_a, run_b)
     if load is not None:
-        a, b = level_a.get(metric), level_b.get(metric)
+        a, b = level_a.value(metric), level_b.value(metric)
         if not (_is_num(a) and _is_num(b)):
             return None
         return Verdict(metric, float(a), float(b), False, "machine load", (a - b) / b * 100 if b else None,
@@ -131,7 +125,7 @@ def compare(run_a: dict, level_a: dict, run_b: dict, level_b: dict, metric: str 
         ma, mb, ha, hb = sa["mean"], sb["mean"], sa["ci95"], sb["ci95"]  # type: ignore[index]
         diff = (ma - mb) / mb * 100 if mb else None
         return Verdict(metric, ma, mb, abs(ma - mb) > ha + hb, "repeats", diff, None, ha, hb)
-    a, b = level_a.get(metric), level_b.get(metric)
+    a, b = level_a.value(metric), level_b.value(metric)
     if not (_is_num(a) and _is_num(b)):
         return None
     diff = (a - b) / b * 100 if b else None

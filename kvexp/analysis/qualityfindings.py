@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from kvexp.analysis.documents import Finding, backend_name, num, sorted_levels, usable
-from kvexp.metrics.levels import level_x
+from kvexp.analysis.documents import Finding, backend_name
 from kvexp.metrics.registry import is_num
+from kvexp.results.runs import Aggregate, Run
 
 
 def fmt_kld(v: Optional[float]) -> str:
@@ -33,14 +33,14 @@ def fmt_share(v: Optional[float]) -> str:
     return f"{math.floor(v * 100_000) / 1000:.3f} %"
 
 
-def _quality(run: dict) -> Optional[dict]:
-    q = run.get("quality")
+def _quality(run: Run) -> Optional[dict]:
+    q = run.quality
     return q if isinstance(q, dict) else None
 
 
-def _kv(run: dict) -> str:
+def _kv(run: Run) -> str:
     q = _quality(run)
-    return str((q or {}).get("kv") or run.get("kv_requested") or "")
+    return str((q or {}).get("kv") or run.kv_requested or "")
 
 
 def ok_depths(q: dict) -> list[dict]:
@@ -48,23 +48,21 @@ def ok_depths(q: dict) -> list[dict]:
             if d.get("status") == "ok" and is_num(d.get("kld_mean"))]
 
 
-def _like(a: dict, b: dict) -> bool:
+def _like(a: Run, b: Run) -> bool:
     """Two runs whose KV caches may be compared: the same scenario and the same number of slots (a
     server sized for 16 sequences holds more tokens than one sized for 2, whatever its dtype)."""
-    return a.get("scenario") == b.get("scenario") and (a.get("kv_cache") or {}).get("seqs") == \
-        (b.get("kv_cache") or {}).get("seqs")
+    return a.scenario == b.scenario and a.kv_cache.seqs == b.kv_cache.seqs
 
 
-def _capacity(runs: list[dict], kv: str, like: dict) -> tuple[Optional[float], Optional[float]]:
+def _capacity(runs: list[Run], kv: str, like: Run) -> tuple[Optional[float], Optional[float]]:
     """(capacity tokens, KV bytes) of the first run of this KV dtype, comparable with `like`, that reported them."""
     same = [r for r in runs if _kv(r) == kv and _like(r, like)]
-    tokens = next((r["kv_cache"].get("capacity_tokens") for r in same
-                   if is_num((r.get("kv_cache") or {}).get("capacity_tokens"))), None)
-    size = next((r["kv_cache"].get("bytes") for r in same if is_num((r.get("kv_cache") or {}).get("bytes"))), None)
+    tokens = next((r.kv_cache.capacity_tokens for r in same if is_num(r.kv_cache.capacity_tokens)), None)
+    size = next((r.kv_cache.bytes for r in same if is_num(r.kv_cache.bytes)), None)
     return tokens, size
 
 
-def _capacity_words(runs: list[dict], kv: str, base: str, like: dict) -> Optional[str]:
+def _capacity_words(runs: list[Run], kv: str, base: str, like: Run) -> Optional[str]:
     t, b = _capacity(runs, kv, like)
     t0, b0 = _capacity(runs, base, like)
     if t and t0 and t != t0:
@@ -74,16 +72,16 @@ def _capacity_words(runs: list[dict], kv: str, base: str, like: dict) -> Optiona
     return None
 
 
-def _speed_words(runs: list[dict], kv: str, base: str) -> Optional[str]:
+def _speed_words(runs: list[Run], kv: str, base: str) -> Optional[str]:
     """Throughput change at the highest level both dtypes measured in one scenario."""
     best = None
-    for scen in sorted({str(r.get("scenario")) for r in runs}):
-        a = next((r for r in runs if r.get("scenario") == scen and _kv(r) == kv and r.get("levels")), None)
-        b = next((r for r in runs if r.get("scenario") == scen and _kv(r) == base and r.get("levels")), None)
+    for scen in sorted({str(r.scenario) for r in runs}):
+        a = next((r for r in runs if str(r.scenario) == scen and _kv(r) == kv and r.levels), None)
+        b = next((r for r in runs if str(r.scenario) == scen and _kv(r) == base and r.levels), None)
         if a is None or b is None:
             continue
-        ta = {level_x(lv): num(lv, "throughput_tok_s") for lv in sorted_levels(a) if usable(a, lv)}
-        tb = {level_x(lv): num(lv, "throughput_tok_s") for lv in sorted_levels(b) if usable(b, lv)}
+        ta = {lv.x: lv.number("throughput_tok_s") for lv in a.merged_levels() if a.usable(lv)}
+        tb = {lv.x: lv.number("throughput_tok_s") for lv in b.merged_levels() if b.usable(lv)}
         common = [x for x in ta if x in tb and x is not None and ta[x] and tb[x]]
         if common:
             x = max(common, key=lambda k: k[1])
@@ -120,13 +118,12 @@ def _continuation_words(q: dict) -> Optional[str]:
     return f"{round(share * n)}/{n} greedy continuations identical"
 
 
-def quality_findings(aggregate: dict) -> list[Finding]:
+def quality_findings(aggregate: Aggregate) -> list[Finding]:
     """One `quality_trade` finding per non-baseline KV dtype with a quality block, and a
     `quality_nondeterministic` one per baseline that did not reproduce itself."""
-    runs = list(aggregate.get("runs") or [])
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        groups.setdefault((str(r.get("backend")), str(r.get("model"))), []).append(r)
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in aggregate.runs:
+        groups.setdefault((str(r.backend), str(r.model)), []).append(r)
     out: list[Finding] = []
     for (backend, _model), group in groups.items():
         seen: set[str] = set()
@@ -141,8 +138,8 @@ def quality_findings(aggregate: dict) -> list[Finding]:
                 out.append(Finding(
                     "quality_nondeterministic",
                     f"{backend_name(backend)}: the {base} baseline did not reproduce itself ({det.get('summary')}): "
-                    f"{r.get('label')}'s drift figures include that nondeterminism.",
-                    str(r.get("scenario")), (str(r.get("label")),), {"determinism": det}))
+                    f"{r.label}'s drift figures include that nondeterminism.",
+                    str(r.scenario), (r.label,), {"determinism": det}))
             if _kv(r) == base:
                 continue
             parts = [p for p in (_capacity_words(group, _kv(r), base, r), _speed_words(group, _kv(r), base),
@@ -151,8 +148,8 @@ def quality_findings(aggregate: dict) -> list[Finding]:
                 continue
             out.append(Finding(
                 "quality_trade",
-                f"{backend_name(backend)} {_kv(r)} KV vs {base}: " + ", ".join(parts) + f" ({r.get('label')}).",
-                str(r.get("scenario")), (str(r.get("label")),),
+                f"{backend_name(backend)} {_kv(r)} KV vs {base}: " + ", ".join(parts) + f" ({r.label}).",
+                str(r.scenario), (r.label,),
                 {"kv": _kv(r), "baseline_kv": base, "depths": ok_depths(q),
                  "continuation": q.get("continuation")}))
     return out

@@ -16,17 +16,9 @@ from typing import Any, Optional
 
 from kvexp.analysis import comparable, documents as D, noise
 from kvexp.metrics import search
-from kvexp.metrics.levels import level_x
-
-
-def slo_of(run: dict) -> Optional[dict[str, Any]]:
-    """The run's objectives: its search's, else its own `slo` (None: it set none)."""
-    s = run.get("search") if isinstance(run.get("search"), dict) else None
-    o = (s or {}).get("objectives") or run.get("slo")
-    if not isinstance(o, dict) or (o.get("slo_ttft_ms") is None and o.get("slo_tpot_ms") is None):
-        return None
-    return {"slo_ttft_ms": o.get("slo_ttft_ms"), "slo_tpot_ms": o.get("slo_tpot_ms"),
-            "percentile": o.get("percentile") or "p95"}
+from kvexp.metrics.levels import Level
+from kvexp.metrics.registry import is_num
+from kvexp.results.runs import SLO, Aggregate, Run
 
 
 # The SLO outcome in the same words wherever it is printed (terminal, summary, report, verdict).
@@ -44,19 +36,19 @@ def slo_outcome(cap: Optional[dict[str, Any]]) -> str:
     return f"met at {_fmt_x(cap['kind'], cap['capacity'])}"
 
 
-def slo_text(slo: Optional[dict[str, Any]]) -> str:
+def slo_text(slo: Optional[SLO]) -> str:
     if slo is None:
         return "no latency objective"
-    p = slo["percentile"]
-    parts = ([f"TTFT {p} ≤ {slo['slo_ttft_ms']:g} ms"] if slo.get("slo_ttft_ms") is not None else []) + (
-        [f"TPOT {p} ≤ {slo['slo_tpot_ms']:g} ms"] if slo.get("slo_tpot_ms") is not None else [])
+    p = slo.percentile
+    parts = ([f"TTFT {p} ≤ {slo.slo_ttft_ms:g} ms"] if slo.slo_ttft_ms is not None else []) + (
+        [f"TPOT {p} ≤ {slo.slo_tpot_ms:g} ms"] if slo.slo_tpot_ms is not None else [])
     return " and ".join(parts)
 
 
-def quality_summary(run: dict) -> Optional[dict[str, float]]:
+def quality_summary(run: Run) -> Optional[dict[str, float]]:
     """The numbers of a run's `quality` block that say what its KV dtype costs (KL divergence,
     agreement, perplexity), top level or one level down; None without a block."""
-    q = run.get("quality")
+    q = run.quality
     if not isinstance(q, dict):
         return None
     out: dict[str, float] = {}
@@ -75,32 +67,31 @@ def quality_summary(run: dict) -> Optional[dict[str, float]]:
     return out or {}
 
 
-def _levels_by_x(run: dict, kind: str) -> dict[float, list[dict]]:
-    by_x: dict[float, list[dict]] = {}
-    for lv in run.get("levels") or []:
-        if isinstance(lv, dict) and D.is_num(lv.get(kind)) and (kind == "rate" or not D.is_num(lv.get("rate"))):
-            by_x.setdefault(float(lv[kind]), []).append(lv)
+def _levels_by_x(run: Run, kind: str) -> dict[float, list[Level]]:
+    by_x: dict[float, list[Level]] = {}
+    for lv in run.levels:
+        v = getattr(lv, kind)
+        if is_num(v) and (kind == "rate" or not is_num(lv.rate)):
+            by_x.setdefault(float(v), []).append(lv)
     return by_x
 
 
-def _kind(run: dict) -> str:
-    s = run.get("search")
-    if isinstance(s, dict) and s.get("kind") in search.KINDS:
-        return s["kind"]
-    return "rate" if any(isinstance(lv, dict) and D.is_num(lv.get("rate")) for lv in run.get("levels") or []) \
-        else "concurrency"
+def _kind(run: Run) -> str:
+    kind = (run.search or {}).get("kind")
+    if kind in search.KINDS:
+        return str(kind)
+    return "rate" if any(is_num(lv.rate) for lv in run.levels) else "concurrency"
 
 
-def capacity(run: dict, slo: dict[str, Any]) -> dict[str, Any]:
+def capacity(run: Run, slo: SLO) -> dict[str, Any]:
     """{kind, capacity (None: nothing meets), level (the capacity's level, merged), probes, miss_pct,
     miss_at, miss_what} for one run against one SLO."""
     kind = _kind(run)
-    obj = search.Objectives(kind, slo.get("slo_ttft_ms"), slo.get("slo_tpot_ms"), slo["percentile"])
+    obj = search.Objectives(kind, slo.slo_ttft_ms, slo.slo_tpot_ms, slo.percentile)
     by_x = _levels_by_x(run, kind)
-    probes = [search.evaluate(x, lvs, obj) for x, lvs in sorted(by_x.items())]
-    s = run.get("search") if isinstance(run.get("search"), dict) else None
-    cap = s.get("answer") if s and slo_of(run) == slo else search.grid_answer(probes)
-    level = next((lv for lv in D.sorted_levels(run) if level_x(lv) == (kind, cap)), None) if cap is not None else None
+    probes = [search.evaluate(x, [lv.to_json() for lv in lvs], obj) for x, lvs in sorted(by_x.items())]
+    cap = run.search.get("answer") if run.search and run.objectives == slo else search.grid_answer(probes)
+    level = run.level_at((kind, cap)) if cap is not None else None
     miss = miss_at = miss_what = None
     if probes and cap is None:
         low = probes[0]
@@ -116,22 +107,26 @@ def capacity(run: dict, slo: dict[str, Any]) -> dict[str, Any]:
             "miss_what": miss_what}
 
 
-def _entry(run: dict, cap: dict[str, Any]) -> dict[str, Any]:
-    lv = cap["level"] or {}
-    return {"label": str(run.get("label")), "backend": run.get("backend"), "kv": D.kv_name(run).display,
+def _entry(run: Run, cap: dict[str, Any]) -> dict[str, Any]:
+    lv = cap["level"]
+    return {"label": run.label, "backend": run.backend, "kv": run.kv.display,
             "capacity": cap["capacity"], "kind": cap["kind"],
-            "throughput_tok_s": D.num(lv, "throughput_tok_s") if lv else None,
+            "throughput_tok_s": lv.number("throughput_tok_s") if lv is not None else None,
             "quality": quality_summary(run)}
 
 
-def peak_level(run: dict) -> Optional[dict]:
+def peak_level(run: Run) -> Optional[Level]:
     """The run's usable level of highest throughput (None: no level has one)."""
-    best = None
-    for lv in D.sorted_levels(run):
-        v = D.num(lv, "throughput_tok_s")
-        if v is not None and D.usable(run, lv) and level_x(lv) and (best is None or v > best["throughput_tok_s"]):
+    best: Optional[Level] = None
+    for lv in run.merged_levels():
+        v = lv.number("throughput_tok_s")
+        if v is not None and run.usable(lv) and lv.x and (best is None or v > (best.number("throughput_tok_s") or 0)):
             best = lv
     return best
+
+
+def _tput(level: Optional[Level]) -> Optional[float]:
+    return level.number("throughput_tok_s") if level is not None else None
 
 
 def _fmt_x(kind: str, x: Any) -> str:
@@ -144,10 +139,10 @@ def _quality_text(q: Optional[dict[str, float]]) -> str:
     return "; quality of its KV dtype: " + ", ".join(f"{k} {v:g}" for k, v in list(q.items())[:4])
 
 
-def with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, Any]:
+def with_slo(scenario: str, slo: SLO, runs: list[Run]) -> dict[str, Any]:
     caps = [(r, capacity(r, slo)) for r in runs]
     meeting = [(r, c) for r, c in caps if c["capacity"] is not None]
-    out: dict[str, Any] = {"scenario": scenario, "slo": slo, "met": bool(meeting), "best": None,
+    out: dict[str, Any] = {"scenario": scenario, "slo": slo.to_json(), "met": bool(meeting), "best": None,
                            "runner_up": None, "margin": None, "miss": None, "sentence": ""}
     head = f"{scenario}, {slo_text(slo)}"
     if not meeting:
@@ -158,18 +153,17 @@ def with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, 
                                "to say by how much.")
             return out
         r, c = closest
-        out["miss"] = {"label": str(r.get("label")), "at": c["miss_at"], "kind": c["kind"], "miss_pct": c["miss_pct"],
+        out["miss"] = {"label": r.label, "at": c["miss_at"], "kind": c["kind"], "miss_pct": c["miss_pct"],
                        "figure": c["miss_what"]}
-        out["sentence"] = (f"{head}: {SLO_MISSED}: nothing meets the objectives; the closest, {r.get('label')} "
-                           f"({D.run_kind(r)}), "
+        out["sentence"] = (f"{head}: {SLO_MISSED}: nothing meets the objectives; the closest, {r.label} "
+                           f"({r.kind}), "
                            f"misses by {c['miss_pct']:g} % at its lowest level ({D.x_words(c['kind'])} "
                            f"{c['miss_at']:g}: {c['miss_what']}).")
         return out
-    ranked = sorted(meeting, key=lambda rc: (rc[1]["capacity"], D.num(rc[1]["level"] or {}, "throughput_tok_s") or 0),
-                    reverse=True)
+    ranked = sorted(meeting, key=lambda rc: (rc[1]["capacity"], _tput(rc[1]["level"]) or 0), reverse=True)
     (br, bc) = ranked[0]
     out["best"] = _entry(br, bc)
-    sentence = (f"{head}: {br.get('label')} ({D.run_kind(br)}) serves the most, {_fmt_x(bc['kind'], bc['capacity'])} "
+    sentence = (f"{head}: {br.label} ({br.kind}) serves the most, {_fmt_x(bc['kind'], bc['capacity'])} "
                 f"within the objectives")
     tput = out["best"]["throughput_tok_s"]
     if tput is not None:
@@ -189,44 +183,44 @@ def with_slo(scenario: str, slo: dict[str, Any], runs: list[dict]) -> dict[str, 
         out["margin"] = margin
         if diff > 0:
             pct = "" if margin["capacity_pct"] is None else f", +{margin['capacity_pct']:g} %"
-            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}), {_fmt_x(rc['kind'], rc['capacity'])} "
+            sentence += (f"; runner-up {rr.label} ({rr.kind}), {_fmt_x(rc['kind'], rc['capacity'])} "
                          f"(margin {diff:g}{pct})")
         elif v is not None and not v.measurable:
-            sentence += (f"; {rr.get('label')} ({D.run_kind(rr)}) serves as many, and their throughput there shows "
+            sentence += (f"; {rr.label} ({rr.kind}) serves as many, and their throughput there shows "
                          f"{v.phrase}: either will do")
         else:
-            sentence += (f"; runner-up {rr.get('label')} ({D.run_kind(rr)}) serves as many"
+            sentence += (f"; runner-up {rr.label} ({rr.kind}) serves as many"
                          + (f" at lower throughput, {v.phrase}" if v is not None else ""))
     out["sentence"] = sentence + "."
     return out
 
 
-def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
+def _without_slo(scenario: str, runs: list[Run]) -> Optional[dict[str, Any]]:
     peaks = [(r, lv) for r in runs for lv in [peak_level(r)] if lv is not None]
     if not peaks:
         return None
-    peaks.sort(key=lambda rl: D.num(rl[1], "throughput_tok_s") or 0, reverse=True)
+    peaks.sort(key=lambda rl: _tput(rl[1]) or 0, reverse=True)
     (br, bl) = peaks[0]
-    kind, x = level_x(bl)  # type: ignore[misc]
-    best = {"label": str(br.get("label")), "backend": br.get("backend"), "kv": D.kv_name(br).display,
-            "capacity": None, "kind": kind, "at": x, "throughput_tok_s": D.num(bl, "throughput_tok_s"),
+    kind, x = bl.x  # type: ignore[misc]
+    best = {"label": br.label, "backend": br.backend, "kv": br.kv.display,
+            "capacity": None, "kind": kind, "at": x, "throughput_tok_s": _tput(bl),
             "quality": quality_summary(br)}
     out: dict[str, Any] = {"scenario": scenario, "slo": None, "met": None, "best": best, "runner_up": None,
                            "margin": None, "miss": None}
     head = f"{scenario}, no latency objective set (scenario.slo_ttft_ms / slo_tpot_ms): by peak throughput, "
-    first = (f"{br.get('label')} ({D.run_kind(br)}), {best['throughput_tok_s']:.1f} tok/s at "
+    first = (f"{br.label} ({br.kind}), {best['throughput_tok_s']:.1f} tok/s at "
              f"{D.x_words(kind)} {x:g}{_quality_text(best['quality'])}")
     sentence = head + first
     if len(peaks) > 1:
         rr, rl = peaks[1]
-        rk, rx = level_x(rl)  # type: ignore[misc]
-        out["runner_up"] = {"label": str(rr.get("label")), "backend": rr.get("backend"), "kv": D.kv_name(rr).display,
-                            "capacity": None, "kind": rk, "at": rx, "throughput_tok_s": D.num(rl, "throughput_tok_s"),
+        rk, rx = rl.x  # type: ignore[misc]
+        out["runner_up"] = {"label": rr.label, "backend": rr.backend, "kv": rr.kv.display,
+                            "capacity": None, "kind": rk, "at": rx, "throughput_tok_s": _tput(rl),
                             "quality": quality_summary(rr)}
         v = noise.compare(br, bl, rr, rl, "throughput_tok_s")
         if v is not None:
             out["margin"] = {"throughput_pct": None if v.diff_pct is None else round(v.diff_pct, 1), **v.numbers()}
-            second = (f"{rr.get('label')} ({D.run_kind(rr)}), {out['runner_up']['throughput_tok_s']:.1f} tok/s at "
+            second = (f"{rr.label} ({rr.kind}), {out['runner_up']['throughput_tok_s']:.1f} tok/s at "
                       f"{D.x_words(rk)} {rx:g}")
             sentence = (f"{head}{first}; runner-up {second}: {v.phrase}" if v.measurable
                         else f"{head}{first} and {second} tie: {v.phrase}")
@@ -234,20 +228,19 @@ def _without_slo(scenario: str, runs: list[dict]) -> Optional[dict[str, Any]]:
     return out
 
 
-def recommendations(aggregate: dict) -> list[dict[str, Any]]:
+def recommendations(aggregate: Aggregate) -> list[dict[str, Any]]:
     """One recommendation per scenario, SLO and field of comparable runs (comparable.partition: partial,
     failed and skipped runs, copies, unconfirmed KV dtypes, other weights or machine load are not ranked)
     (schema/aggregate.schema.json `recommendations`)."""
     out: list[dict[str, Any]] = []
-    for scen, runs in D.scenarios(aggregate):
-        groups: dict[Any, list[dict]] = {}
+    for scen, runs in aggregate.scenarios():
+        groups: dict[Optional[SLO], list[Run]] = {}
         for r in runs:
-            slo = slo_of(r)
-            groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
-        slo_keys = [k for k in groups if k is not None]
-        for key in slo_keys or [None]:
-            for f in comparable.partition(groups.get(key) or [])[0]:
-                rec = with_slo(scen, dict(key), list(f.runs)) if key is not None else _without_slo(scen, list(f.runs))
+            groups.setdefault(r.objectives, []).append(r)
+        slos = [k for k in groups if k is not None]
+        for slo in slos or [None]:
+            for f in comparable.partition(groups.get(slo) or [])[0]:
+                rec = with_slo(scen, slo, list(f.runs)) if slo is not None else _without_slo(scen, list(f.runs))
                 if rec is not None:
                     out.append(rec)
     return out

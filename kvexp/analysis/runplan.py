@@ -7,9 +7,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvexp.analysis.documents import is_num, num, sorted_levels
+from kvexp.analysis.documents import is_num
 from kvexp.capacity.planner import kv_bytes_per_token
 from kvexp.planning.recompute import kvexp_tokens
+from kvexp.results.runs import Aggregate, Run
+
+
+def num(d: dict, key: str) -> Optional[float]:
+    """A number of a planner block or a calibration row (None: missing, or not a number)."""
+    v = d.get(key)
+    return float(v) if is_num(v) else None
 
 
 @dataclass(frozen=True)
@@ -47,20 +54,20 @@ def _plan_levels(rows: Any) -> tuple[PlanLevel, ...]:
     return tuple(sorted(out, key=lambda p: p.x))
 
 
-def _calibration_row(run: dict, aggregate: dict) -> Optional[dict]:
-    kv = (run.get("kv_cache") or {}).get("dtype") or run.get("kv_requested")
-    for row in aggregate.get("calibration") or []:
-        if isinstance(row, dict) and row.get("model") == run.get("model") and kv and row.get("kv_cache_dtype") == kv:
+def _calibration_row(run: Run, aggregate: Aggregate) -> Optional[dict]:
+    kv = run.kv_cache.dtype or run.kv_requested
+    for row in aggregate.calibration or []:
+        if isinstance(row, dict) and row.get("model") == run.model and kv and row.get("kv_cache_dtype") == kv:
             return row
     return None
 
 
-def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
+def run_plan(run: Run, aggregate: Aggregate) -> Optional[RunPlan]:
     """The planner's view of a run: its own planner block; else the levels' predicted_kv_usage; else one
     derived from the aggregate's calibration table (capacity = predicted_tokens, each request holding
     prompt + max tokens, usage capped at 100 % as the planner does)."""
-    label = str(run.get("label"))
-    p = run.get("planner")
+    label = run.label
+    p = run.planner
     if isinstance(p, dict):
         cal = p.get("calibrated") if isinstance(p.get("calibrated"), dict) else {}
         return RunPlan(
@@ -69,11 +76,14 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
             num(cal, "capacity_tokens"), num(cal, "max_concurrency_before_preemption"),
             _plan_levels(cal.get("levels")), num(p, "request_tokens"), num(p, "max_concurrent_requests"),
             num(p, "kv_cache_bytes"), num(p, "kv_window_bytes_per_sequence") if num(p, "sliding_window") else None)
-    from_levels = _plan_levels([lv for lv in sorted_levels(run) if is_num(lv.get("predicted_kv_usage"))])
+    from_levels = tuple(sorted((PlanLevel(float(lv.concurrency), float(lv.predicted_kv_usage), None)
+                                for lv in run.merged_levels()
+                                if is_num(lv.predicted_kv_usage) and is_num(lv.concurrency)), key=lambda p: p.x))
     if from_levels:
         return RunPlan(label, "levels", None, None, None, from_levels)
     row = _calibration_row(run, aggregate)
-    prompt, out_tok = num(run, "prompt_tokens"), num(run, "max_tokens")
+    prompt = float(run.prompt_tokens) if is_num(run.prompt_tokens) else None
+    out_tok = float(run.max_tokens) if is_num(run.max_tokens) else None
     if row is None or not num(row, "predicted_tokens") or prompt is None or out_tok is None:
         return None
     per_req = prompt + out_tok
@@ -81,13 +91,13 @@ def run_plan(run: dict, aggregate: dict) -> Optional[RunPlan]:
     def levels_for(cap: Optional[float]) -> tuple[PlanLevel, ...]:
         if not cap:
             return ()
-        xs = sorted({c for c in (num(lv, "concurrency") for lv in run.get("levels") or []) if c is not None})
+        xs = sorted({float(lv.concurrency) for lv in run.levels if is_num(lv.concurrency)})
         return tuple(PlanLevel(c, min(1.0, c * per_req / cap), c * per_req > cap) for c in xs)
 
     mine = kvexp_tokens(row, aggregate)
     cap, ccap = (mine if mine is not None else num(row, "predicted_tokens")), num(row, "calibrated_tokens")
     bpt = None
-    pl = aggregate.get("planner") or {}
+    pl = aggregate.planner or {}
     arch = (pl.get("models") or {}).get(row.get("preset") or "")
     kvb = (pl.get("kv_bytes") or {}).get(row.get("kv_cache_dtype"))
     dims = ("n_layers", "n_kv_heads", "head_dim")

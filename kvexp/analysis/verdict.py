@@ -28,8 +28,9 @@ from typing import Any, Optional
 
 from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
 from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
-from kvexp.metrics.levels import level_x
+from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
+from kvexp.results.runs import SLO, Aggregate, Run
 
 # A mean KL divergence (nats per token, against the 16-bit cache) above which a KV dtype's drift is
 # called visible: llama.cpp's q8_0 caches measure about 0.001-0.003, q4_0 0.02 and more.
@@ -38,10 +39,10 @@ DRIFT_LIMIT = 0.01
 
 @dataclass(frozen=True)
 class Candidate:
-    run: dict
+    run: Run
     name: str  # the short name: backend + KV dtype (+ model when models vary)
     figure: Optional[float]  # capacity within the SLO, or peak throughput
-    level: Optional[dict]  # the level the figure was read at
+    level: Optional[Level]  # the level the figure was read at
     bytes_per_token: Optional[float]
     drift: Optional[tuple[float, int]]  # (mean KLD, depth)
 
@@ -64,46 +65,34 @@ class Verdict:
                 "excluded": list(self.excluded)}
 
 
-def short_names(runs: list[dict]) -> dict[str, str]:
+def short_names(runs: list[Run]) -> dict[str, str]:
     """Label -> "llama.cpp q8_0" (+ the model where one backend served several: each backend serves its own
     file of a model, a GGUF or a checkpoint, which the verdict's caveat names; + the label where still
     ambiguous)."""
     models: dict[str, set[str]] = {}
     for r in runs:
-        if D.run_status(r) != "skipped":  # a skipped job names the model option, not the file it would serve
-            models.setdefault(str(r.get("backend")), set()).add(str(r.get("model")))
+        if r.state != "skipped":  # a skipped job names the model option, not the file it would serve
+            models.setdefault(str(r.backend), set()).add(str(r.model))
     varies = any(len(m) > 1 for m in models.values())
     names = {}
     for r in runs:
-        if r.get("tool"):  # another benchmark tool's run: its label says which tool and run
-            names[str(r.get("label"))] = str(r.get("label"))
+        if r.tool:  # another benchmark tool's run: its label says which tool and run
+            names[r.label] = r.label
             continue
-        kv = D.kv_name(r).name or "default KV"
-        name = f"{D.backend_name(r.get('backend'))} {kv}"
+        kv = r.kv.name or "default KV"
+        name = f"{r.backend_name} {kv}"
         if varies:
-            name += f", {str(r.get('model')).rsplit('/', 1)[-1]}"
-        names[str(r.get("label"))] = name
+            name += f", {r.model_file}"
+        names[r.label] = name
     counts: dict[str, int] = {}
     for n in names.values():
         counts[n] = counts.get(n, 0) + 1
     return {lab: (n if counts[n] == 1 else f"{n} ({lab})") for lab, n in names.items()}
 
 
-def bytes_per_token(run: dict) -> Optional[float]:
-    """The run's KV bytes per token, one figure everywhere it is printed: the planner's (the model's layers,
-    KV heads and head size at the KV dtype's bytes per element, as the planner page shows it), else the
-    server's KV bytes over its token capacity (a paged pool's padding makes that a few bytes more)."""
-    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
-    if is_num(p.get("kv_bytes_per_token")) and p["kv_bytes_per_token"] > 0:
-        return float(p["kv_bytes_per_token"])
-    kv = run.get("kv_cache") or {}
-    b, t = kv.get("bytes"), kv.get("capacity_tokens")
-    return float(b) / float(t) if is_num(b) and is_num(t) and t > 0 else None
-
-
-def drift(run: dict) -> Optional[tuple[float, int]]:
+def drift(run: Run) -> Optional[tuple[float, int]]:
     """(mean KLD, depth) at the deepest depth the run's quality block measured."""
-    q = run.get("quality")
+    q = run.quality
     depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
     if not depths:
         return None
@@ -111,16 +100,16 @@ def drift(run: dict) -> Optional[tuple[float, int]]:
     return float(d["kld_mean"]), int(d["context"])
 
 
-def kv_key(run: dict) -> tuple[str, str, Optional[str]]:
-    return str(run.get("backend")), str(run.get("model")), D.kv_name(run).name
+def kv_key(run: Run) -> tuple[str, str, Optional[str]]:
+    return str(run.backend), str(run.model), run.kv.name
 
 
-def kv_lookups(aggregate: dict) -> tuple[dict, dict]:
+def kv_lookups(aggregate: Aggregate) -> tuple[dict, dict]:
     """KV bytes per token and drift per (backend, model, KV dtype), from any run that measured them."""
     mem: dict[tuple, float] = {}
     kld: dict[tuple, tuple[float, int]] = {}
-    for r in aggregate.get("runs") or []:
-        b, q = bytes_per_token(r), drift(r)
+    for r in aggregate.runs:
+        b, q = r.bytes_per_token, drift(r)
         if b is not None:
             mem.setdefault(kv_key(r), b)
         if q is not None:
@@ -128,7 +117,7 @@ def kv_lookups(aggregate: dict) -> tuple[dict, dict]:
     return mem, kld
 
 
-def _candidates(runs: list[dict], slo: Optional[dict], names: dict, mem: dict, kld: dict) -> list[Candidate]:
+def _candidates(runs: list[Run], slo: Optional[SLO], names: dict, mem: dict, kld: dict) -> list[Candidate]:
     out = []
     for r in runs:
         if slo is not None:
@@ -136,12 +125,12 @@ def _candidates(runs: list[dict], slo: Optional[dict], names: dict, mem: dict, k
             fig, lv = cap["capacity"], cap["level"]
         else:
             lv = recommend.peak_level(r)
-            fig = D.num(lv, "throughput_tok_s") if lv else None
-        out.append(Candidate(r, names[str(r.get("label"))], fig, lv, mem.get(kv_key(r)), kld.get(kv_key(r))))
+            fig = lv.number("throughput_tok_s") if lv else None
+        out.append(Candidate(r, names[r.label], fig, lv, mem.get(kv_key(r)), kld.get(kv_key(r))))
     return out
 
 
-def _ties(best: Candidate, cands: list[Candidate], slo: Optional[dict]) -> tuple[list[Candidate], list[Any]]:
+def _ties(best: Candidate, cands: list[Candidate], slo: Optional[SLO]) -> tuple[list[Candidate], list[Any]]:
     """Those not measurably below the best on the speed figure, and the noise verdicts that said so."""
     tied, verdicts = [best], []
     for c in cands:
@@ -164,7 +153,7 @@ def _order(tied: list[Candidate]) -> tuple[list[Candidate], str]:
 
     def key(c: Candidate) -> tuple:
         return (c.bytes_per_token if c.bytes_per_token is not None else float("inf"),
-                c.drift[0] if c.drift else float("inf"), -(D.num(c.level or {}, "throughput_tok_s") or 0.0))
+                c.drift[0] if c.drift else float("inf"), -(_tput(c.level) or 0.0))
 
     pool = sorted(pool, key=key)
     if len(pool) > 1 and None not in (pool[0].bytes_per_token, pool[1].bytes_per_token) \
@@ -177,7 +166,11 @@ def _order(tied: list[Candidate]) -> tuple[list[Candidate], str]:
     return pool + dropped, how
 
 
-def _fmt_fig(c: Candidate, slo: Optional[dict]) -> str:
+def _tput(level: Optional[Level]) -> Optional[float]:
+    return level.number("throughput_tok_s") if level is not None else None
+
+
+def _fmt_fig(c: Candidate, slo: Optional[SLO]) -> str:
     if slo is not None:
         kind = recommend.capacity(c.run, slo)["kind"]
         return f"{c.figure:g} {'concurrent requests' if kind == 'concurrency' else 'requests/s'}"
@@ -185,7 +178,7 @@ def _fmt_fig(c: Candidate, slo: Optional[dict]) -> str:
 
 
 def _where(c: Candidate) -> str:
-    x = level_x(c.level or {})
+    x = c.level.x if c.level is not None else None
     return f" at {D.x_words(x[0])} {x[1]:g}" if x else ""
 
 
@@ -198,12 +191,12 @@ def _memory_words(first: Candidate, others: list[Candidate]) -> str:
             f"{worst.bytes_per_token:,.0f} for {worst.name}, {ratio:.2f}x the tokens in the same memory")
 
 
-def _window_words(run: dict) -> str:
+def _window_words(run: Run) -> str:
     """For a sliding-window model, what its bytes per token are made of: the global layers' bytes per
     token and one sequence's window, as its planner block sized them ("" for other models)."""
-    p = run.get("planner") if isinstance(run.get("planner"), dict) else {}
-    per_token, window = D.num(p, "kv_bytes_per_token"), D.num(p, "kv_window_bytes_per_sequence")
-    if not D.num(p, "sliding_window") or per_token is None or window is None:
+    p = run.planner or {}
+    per_token, window = _number(p, "kv_bytes_per_token"), _number(p, "kv_window_bytes_per_sequence")
+    if not _number(p, "sliding_window") or per_token is None or window is None:
         return ""
     return (f" it holds (a sliding-window model: {per_token:,.0f} bytes per token in its global layers "
             f"+ {window / (1 << 20):,.2f} MiB of window a sequence)")
@@ -216,6 +209,11 @@ def _drift_words(c: Candidate) -> str:
     return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}{above}"
 
 
+def _number(d: dict, key: str) -> Optional[float]:
+    v = d.get(key)
+    return float(v) if is_num(v) else None
+
+
 # KV dtypes that are not quantised: choosing one costs no quality worth measuring.
 SIXTEEN_BIT = {"fp16", "f16", "bf16", "fp32", "f32", "auto", "float16", "bfloat16", "float32"}
 # Level warnings that make the figure a verdict rests on the client's or the delivery's, not the server's.
@@ -225,35 +223,34 @@ FLAG_WORDS = {"client_limited": "client-limited (the load generator, not the ser
 
 def _unmeasured_words(c: Candidate) -> str:
     """For a quantised KV dtype chosen on memory whose drift no run measured: say so and how to measure it."""
-    kv = D.kv_name(c.run).name
-    if c.drift is not None or kv is None or kv.lower() in SIXTEEN_BIT or c.run.get("tool"):
+    kv = c.run.kv.name
+    if c.drift is not None or kv is None or kv.lower() in SIXTEEN_BIT or c.run.tool:
         return ""
     return (f" Its quality was not measured: {kv} KV is chosen on memory alone; measure its drift from the 16-bit "
-            f"cache with `python -m kvexp -m backend={c.run.get('backend')} kv=fp16,{kv} scenario=quality` "
+            f"cache with `python -m kvexp -m backend={c.run.backend} kv=fp16,{kv} scenario=quality` "
             f"(a mean KLD above {DRIFT_LIMIT:g} is visible drift) before relying on it.")
 
 
 def _flag_words(chosen: list[Candidate]) -> str:
     codes = []
     for c in chosen:
-        lv = c.level or {}
-        found = {w.get("code") for w in lv.get("warnings") or [] if isinstance(w, dict)}
-        if lv.get("client_limited") is True:
-            found.add("client_limited")
+        found = c.level.warning_codes if c.level is not None else set()
+        if c.level is not None and c.level.client_limited is True:
+            found = found | {"client_limited"}
         codes += [k for k in FLAG_WORDS if k in found and k not in codes]
     if not codes:
         return ""
     return "the figure it rests on comes from a level flagged " + " and ".join(FLAG_WORDS[k] for k in codes)
 
 
-def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
+def _caveat(runs: list[Run], verdicts: list[Any], names: dict[str, str],
             chosen: Optional[list[Candidate]] = None) -> str:
     parts = []
     flags = _flag_words(chosen or [])
     if flags:
         parts.append(flags)
     repeated = all(len(noise.repeat_values(r, lv, "throughput_tok_s")) >= 2
-                   for r in runs for lv in D.sorted_levels(r)[:1])
+                   for r in runs for lv in r.merged_levels()[:1])
     thresholds = [v.threshold_pct for v in verdicts if v is not None and v.threshold_pct is not None]
     if not repeated:
         noise_part = (noise.DISPERSED if thresholds and max(thresholds) > noise.MAX_THRESHOLD_PCT
@@ -261,22 +258,21 @@ def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
                       else "no difference can be told from noise")
         parts.append(f"one run each: {noise_part}" + ("" if noise_part == noise.DISPERSED
                                                       else "; repeat with scenario.repeats=3"))
-    weights = sorted({D.weights_display(r) for r in runs} - {"—"})
-    models = sorted({str(r.get("model")).rsplit("/", 1)[-1] for r in runs})
+    weights = sorted({r.weights_text for r in runs} - {"—"})
+    models = sorted({r.model_file for r in runs})
     if len(weights) > 1:
         parts.append("the configurations ran different weights (" + " vs ".join(weights) + ")")
     elif len(models) > 1:
         parts.append("the configurations served different model files (" + ", ".join(models) + ")")
-    builds = sorted({f"{D.backend_name(r.get('backend'))} {r.get('backend_version')}" for r in runs
-                     if r.get("backend_version")})
-    if len({str(r.get("backend")) for r in runs}) > 1 and builds:
+    builds = sorted({f"{r.backend_name} {r.backend_version}" for r in runs if r.backend_version})
+    if len({str(r.backend) for r in runs}) > 1 and builds:
         parts.append("engine builds " + ", ".join(builds))
-    unconfirmed = [names.get(str(r.get("label")), str(r.get("label"))) for r in runs
-                   if r.get("kv_requested") and not (r.get("kv_cache") or {}).get("dtype") and not r.get("tool")]
+    unconfirmed = [names.get(r.label, r.label) for r in runs
+                   if r.kv_requested and not r.kv_cache.dtype and not r.tool]
     if unconfirmed:
         parts.append("the server did not confirm the KV dtype of " + ", ".join(unconfirmed)
                      + " (what was asked, not what ran)")
-    loads = {names.get(str(r.get("label")), str(r.get("label"))): C.machine_load(r) for r in runs}
+    loads = {names.get(r.label, r.label): C.machine_load(r) for r in runs}
     known = {k: v for k, v in loads.items() if v is not None}
     if len(known) > 1 and C.loads_differ(list(known.values())):
         parts.append("the machine's load differed between runs (" + "; ".join(
@@ -284,12 +280,12 @@ def _caveat(runs: list[dict], verdicts: list[Any], names: dict[str, str],
     return ("Caveat: " + "; ".join(parts) + ".") if parts else ""
 
 
-def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: dict, mem: dict,
+def _speed_verdict(scenario: str, runs: list[Run], slo: Optional[SLO], names: dict, mem: dict,
                    kld: dict) -> Optional[Verdict]:
     cands = [c for c in _candidates(runs, slo, names, mem, kld) if c.figure is not None]
     if not cands:
         return None
-    best = max(cands, key=lambda c: (c.figure, D.num(c.level or {}, "throughput_tok_s") or 0.0))
+    best = max(cands, key=lambda c: (c.figure, _tput(c.level) or 0.0))
     tied, verdicts = _ties(best, cands, slo)
     ordered, how = _order(tied)
     first = ordered[0]
@@ -334,9 +330,9 @@ def _speed_verdict(scenario: str, runs: list[dict], slo: Optional[dict], names: 
     return Verdict(scenario, choice, why, _caveat(runs, verdicts, names, [c for c in ordered if c.name in choice]))
 
 
-def _quality_verdict(scenario: str, runs: list[dict], names: dict, mem: dict) -> Optional[Verdict]:
+def _quality_verdict(scenario: str, runs: list[Run], names: dict, mem: dict) -> Optional[Verdict]:
     """A scenario with quality blocks and no speed levels: the smallest KV within DRIFT_LIMIT."""
-    cands = [Candidate(r, names[str(r.get("label"))], None, None, mem.get(kv_key(r)), drift(r)) for r in runs]
+    cands = [Candidate(r, names[r.label], None, None, mem.get(kv_key(r)), drift(r)) for r in runs]
     cands = [c for c in cands if c.drift is not None]
     if not cands:
         return None
@@ -367,20 +363,20 @@ def _cross_words(f: comparable.Field) -> str:
             "engine's and its weights' together, not the KV dtype's alone. ")
 
 
-def _missed(scenario: str, runs: list[dict], slo: dict, names: dict) -> Optional[Verdict]:
+def _missed(scenario: str, runs: list[Run], slo: SLO, names: dict) -> Optional[Verdict]:
     """Every run of a field misses the objectives at its lowest level: say so, and by how much the closest does."""
     caps = [(r, recommend.capacity(r, slo)) for r in runs]
     if any(c["capacity"] is not None for _, c in caps) or not any(c["miss_pct"] is not None for _, c in caps):
         return None
     r, c = min(((r, c) for r, c in caps if c["miss_pct"] is not None), key=lambda rc: rc[1]["miss_pct"])
     why = (f"{scenario}, {recommend.slo_text(slo)}: {recommend.SLO_MISSED}: no configuration meets the objectives; "
-           f"the closest, {names.get(str(r.get('label')), r.get('label'))}, misses by {c['miss_pct']:g} % at its "
+           f"the closest, {names.get(r.label, r.label)}, misses by {c['miss_pct']:g} % at its "
            f"lowest level ({D.x_words(c['kind'])} {c['miss_at']:g}: {c['miss_what']}). Relax the objectives or "
            "measure lower levels.")
     return Verdict(scenario, (), why, "")
 
 
-def _field_verdict(scen: str, f: comparable.Field, slo: Optional[dict], names: dict, mem: dict,
+def _field_verdict(scen: str, f: comparable.Field, slo: Optional[SLO], names: dict, mem: dict,
                    kld: dict) -> Optional[Verdict]:
     rs = list(f.runs)
     v = _missed(scen, rs, slo, names) if slo is not None else None
@@ -390,26 +386,23 @@ def _field_verdict(scen: str, f: comparable.Field, slo: Optional[dict], names: d
     return v
 
 
-def verdicts(aggregate: dict) -> list[Verdict]:
+def verdicts(aggregate: Aggregate) -> list[Verdict]:
     """One verdict per scenario (and per latency objective where a scenario's runs set different ones), and
     per field of comparable runs within it (comparable.partition): the runs left out are named under it,
     each with its reason."""
     mem, kld = kv_lookups(aggregate)
     out: list[Verdict] = []
-    for scen, runs in D.scenarios(aggregate):
-        names = short_names([r for r in runs if D.run_status(r) != "skipped"])
-        names.update({str(r.get("label")): D.run_kind(r).replace(", ", " ").replace(" KV", "")
-                      for r in runs if str(r.get("label")) not in names})
-        groups: dict[Any, list[dict]] = {}
+    for scen, runs in aggregate.scenarios():
+        names = short_names([r for r in runs if r.state != "skipped"])
+        names.update({r.label: r.kind.replace(", ", " ").replace(" KV", "") for r in runs if r.label not in names})
+        groups: dict[Optional[SLO], list[Run]] = {}
         for r in runs:
-            slo = recommend.slo_of(r)
-            groups.setdefault(None if slo is None else tuple(sorted(slo.items())), []).append(r)
-        for key, rs in groups.items():
-            slo = None if key is None else dict(key)
+            groups.setdefault(r.objectives, []).append(r)
+        for slo, rs in groups.items():
             fields, left = comparable.partition(rs)
             made = [v for f in fields for v in [_field_verdict(scen, f, slo, names, mem, kld)] if v is not None]
             excluded = _left_words(left, names)
-            if not made and not any(D.run_status(r) not in ("skipped",) for r in rs):
+            if not made and not any(r.state != "skipped" for r in rs):
                 continue  # only skipped jobs: nothing was measured, and the skip is reported as such
             if not made:
                 why = (f"{scen}: no two runs can be compared, so no configuration is chosen" if len(rs) > 1
@@ -417,7 +410,7 @@ def verdicts(aggregate: dict) -> list[Verdict]:
                 made = [Verdict(scen, (), why, "")]
             lone = [f for f in fields if len(f.runs) == 1]
             if len(fields) == 1 and lone and any("identical copy" not in x.reason for x in left):
-                name = names.get(str(lone[0].runs[0].get("label")), "")
+                name = names.get(lone[0].runs[0].label, "")
                 made[0] = Verdict(scen, (), f"{scen}: no configuration is chosen: {name} is the only run that "
                                            "can be compared, and nothing measured here is comparable with it.", "")
             made[0] = Verdict(made[0].scenario, made[0].choice, made[0].why, made[0].caveat, excluded)

@@ -167,6 +167,7 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
 
     from kvexp.measure.runner import run_job, unrun_result
     from kvexp.report.summary import write_job_summary
+    from kvexp.results.documents import JobResult
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg = drop_backend_only(to_experiment(node), sweep.backend_only)
@@ -183,14 +184,13 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
 
             observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
             result = run_job(cfg, out_dir, observer, sweep.pool, in_sweep=sweep.multirun)
-        write_job_summary(result, out_dir)
-        log.info("%s: %s -> %s", label, result["status"], out_dir / "result.json")
+        write_job_summary(job := JobResult.from_json(result), out_dir)
+        log.info("%s: %s -> %s", label, job.status, out_dir / "result.json")
         if not sweep.multirun:
             _single_report(out_dir)
-        levels = result.get("levels") or []
-        if result["status"] == "failed" or (levels and all(lv["status"] == "failed" for lv in levels)):
+        if job.status == "failed" or (job.levels and all(lv.failed for lv in job.levels)):
             sweep.failed.append(label)  # nothing usable was measured: the run exits non-zero
-            log.error("%s: nothing usable was measured: %s", label, result.get("status_reason") or result["status"])
+            log.error("%s: nothing usable was measured: %s", label, job.status_reason or job.status)
     except Exception as e:
         if not _is_known(e):
             raise  # a bug in kvexp: keep the traceback
@@ -264,8 +264,8 @@ class SweepCallback(Callback):  # type: ignore[misc]
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.report.summary import end_of_run_text, job_results, sweep_timing, timing_line, write_sweep_outputs
-        from kvexp.results.store import load_document
+        from kvexp.report.summary import (end_of_run_text, job_results, sweep_aggregate, sweep_timing, timing_line,
+                                          write_sweep_outputs)
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
@@ -275,7 +275,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
             for p in written:
                 log.info("sweep: wrote %s", p)
             log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall, since)))
-            print(end_of_run_text(load_document(sweep_dir / "sweep.json")[1]), flush=True)
+            print(end_of_run_text(sweep_aggregate(sweep_dir)), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 

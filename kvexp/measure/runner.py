@@ -36,6 +36,7 @@ from kvexp.metrics.levels import Level, kv_peak, level_warnings, level_x, worklo
 from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
 from kvexp.quality.inputs import check_inputs
+from kvexp.results.documents import JobResult
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.results.validate import SCHEMA_VERSION
@@ -557,7 +558,7 @@ def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelAr
 def _learn(res: dict[str, Any]) -> None:
     """Feed a finished job's engine-reported capacity into the calibration file."""
     try:
-        calibration.update([res])
+        calibration.update([JobResult.from_json(res)])
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("calibration: not updated from %s: %s", res["label"], e)
 

@@ -197,34 +197,34 @@ def missing_text(key: str, *, level_failed: bool, exposed_elsewhere: bool, forei
     return NOT_RECORDED if foreign else NOT_EXPOSED
 
 
-def shown_value(level: dict[str, Any], key: str) -> Optional[str]:
-    """A level figure as a person may read it when a warning of the level disqualifies it, else None
-    (format it plainly): burst-delivered TPOT p50 shows the server's own TPOT marked "(server)", the
-    other burst-delivered latencies "— (bursts)"; an under-sampled KV peak shows as a lower bound."""
+def shown_value(level: Any, key: str) -> Optional[str]:
+    """A level figure (of a metrics.levels.Level) as a person may read it when a warning of the level
+    disqualifies it, else None (format it plainly): burst-delivered TPOT p50 shows the server's own TPOT
+    marked "(server)", the other burst-delivered latencies "— (bursts)"; an under-sampled KV peak shows as
+    a lower bound."""
     m = METRICS.get(key)
-    codes = {w.get("code") for w in level.get("warnings") or [] if isinstance(w, dict)} & \
-        set(m.disqualified_by if m else ())
+    codes = level.warning_codes & set(m.disqualified_by if m else ())
     if "bursts" in codes:
-        server = level_value(level, "server.tpot_p50_ms")
-        server = server if is_num(server) else level_value(level, "server.tpot_mean_ms")
+        server = level.value("server.tpot_p50_ms")
+        server = server if is_num(server) else level.value("server.tpot_mean_ms")
         if key == "tpot_p50_ms" and is_num(server):
             return f"{format_value(key, server)} (server)"
         return f"{UNKNOWN} (bursts)"
-    peak = level_value(level, key)
+    peak = level.value(key)
     if "kv_undersampled" in codes and is_num(peak):
         return f"≥ {format_value(key, peak)}" if peak > 0 else f"{UNKNOWN} (under-sampled)"
     return None
 
 
-def level_text(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False,
+def level_text(level: Any, key: str, *, failed: bool, exposed: bool, foreign: bool = False,
                value: Any = None, plain: bool = False) -> str:
-    """One level figure as every table writes it: disqualified (shown_value), missing (missing_text) or
-    formatted. value: the figure when it is not the level's own key (a repeat statistic); plain: no
-    disqualification applies to it."""
+    """One level figure (of a metrics.levels.Level) as every table writes it: disqualified (shown_value),
+    missing (missing_text) or formatted. value: the figure when it is not the level's own key (a repeat
+    statistic); plain: no disqualification applies to it."""
     shown = None if plain else shown_value(level, key)
     if shown is not None:
         return shown
-    v = level_value(level, key) if value is None and not plain else value
+    v = level.value(key) if value is None and not plain else value
     if v is None:
         return missing_text(key, level_failed=failed, exposed_elsewhere=exposed, foreign=foreign)
     return format_value(key, v)
@@ -256,7 +256,7 @@ def format_value(key: str, v: Any) -> str:
     if key == "throughput_ci95" and is_num(v):
         return f"±{v:.1f}"
     if key == "warnings" and isinstance(v, (list, tuple)):
-        return "; ".join(str(w.get("text") if isinstance(w, dict) else w) for w in v)
+        return "; ".join(str(w.get("text") if isinstance(w, dict) else getattr(w, "text", w)) for w in v)
     if key in METRICS:
         return METRICS[key].format(v)
     name = key.rpartition(".")[2]
@@ -270,11 +270,3 @@ def format_value(key: str, v: Any) -> str:
         return format_as(Fmt.coarse, v)
     return format_as(Fmt.sig, v)
 
-
-def level_value(level: dict[str, Any], key: str) -> Any:
-    """A level's value by key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
-    head, dot, rest = key.partition(".")
-    if not dot:
-        return level.get(key)
-    inner = level.get(head)
-    return level_value(inner, rest) if isinstance(inner, dict) else None

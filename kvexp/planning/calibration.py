@@ -23,6 +23,8 @@ from kvexp.capacity.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILI
                                     ModelArch, canonical_kv_dtype, capacity_from_kv_bytes, kv_bytes_per_element,
                                     kv_bytes_per_token, overhead_for_capacity, vllm_capacity_tokens)
 from kvexp.core.paths import atomic_write, cache_dir
+from kvexp.results.documents import JobResult
+from kvexp.results.runs import Run
 
 SCHEMA_VERSION = 1
 KIND = "kvexp-calibration"
@@ -71,26 +73,22 @@ class Measurement:
 # Reading measurements out of runs (pure)
 
 
-def _name(x: Any, *keys: str) -> Optional[str]:
-    """A string field that is either a plain string (reference runs) or a dict (kvexp job results)."""
-    if isinstance(x, Mapping):
-        for k in keys:
-            if x.get(k):
-                return str(x[k])
-        return None
-    return None if x is None else str(x)
+Measured = Run | JobResult  # a run of an aggregate (the reference document's included), or a job's result
 
 
-def measurement_from_run(run: Mapping[str, Any], arch: Optional[ModelArch] = None) -> Optional[Measurement]:
-    """A Measurement from one run or job: the reference document's `runs[]` shape, an aggregate run,
-    or a kvexp job result (backend/model/gpu as dicts; the architecture from its `planner` block's
-    `inputs`, else from `arch`). None without a backend and a KV dtype."""
-    backend = _name(run.get("backend"), "name")
-    kv = run.get("kv_cache") or {}
-    plan_inputs = (run.get("planner") or {}).get("inputs") or {}
-    kv_req = run.get("kv") if isinstance(run.get("kv"), Mapping) else {}
-    kv_dtype = (kv.get("dtype") or plan_inputs.get("kv_dtype") or kv_req.get("backend_dtype")
-                or run.get("kv_cache_dtype"))
+def measurement_from_run(run: Measured, arch: Optional[ModelArch] = None) -> Optional[Measurement]:
+    """A Measurement from one run of an aggregate (the reference document's runs included) or a kvexp job
+    result (the architecture from its `planner` block's `inputs`, else from `arch`). None without a
+    backend and a KV dtype."""
+    if isinstance(run, JobResult):
+        backend, kv_asked, model = run.backend.name, run.kv.backend_dtype, run.model.path or run.model.name
+        gpu_name, gpu_gib, preset = run.gpu.name, run.gpu.memory_gib, run.model.name
+    else:
+        backend, kv_asked, model = run.backend, None, run.model
+        gpu_name, gpu_gib, preset = run.gpu, run.gpu_gib, None
+    kv = run.kv_cache
+    plan_inputs = (run.planner or {}).get("inputs") or {}
+    kv_dtype = kv.dtype or plan_inputs.get("kv_dtype") or kv_asked
     if not backend or not kv_dtype:
         return None
 
@@ -104,47 +102,38 @@ def measurement_from_run(run: Mapping[str, Any], arch: Optional[ModelArch] = Non
     except ValueError:
         bpe = None
     bpt = kv_bytes_per_token(pick("n_layers"), pick("n_kv_heads"), pick("head_dim"), bpe)
-    blocks, block_size = kv.get("blocks"), kv.get("block_size")
-    actual = kv.get("capacity_tokens")
-    if actual is None and blocks is not None and block_size is not None:
-        actual = int(blocks) * int(block_size)
-    levels = run.get("levels") or []
-    peaks = [lv.get("peak_vram_gib") for lv in levels if lv.get("peak_vram_gib") is not None]
+    actual = kv.capacity_tokens
+    if actual is None and kv.blocks is not None and kv.block_size is not None:
+        actual = int(kv.blocks) * int(kv.block_size)
+    peaks = [lv.peak_vram_gib for lv in run.levels if lv.peak_vram_gib is not None]
     if not peaks:
-        peaks = [lv.get("peak_server_gpu_gib") for lv in levels if lv.get("peak_server_gpu_gib") is not None]
-    util = kv.get("gpu_memory_utilization")
+        peaks = [lv.peak_server_gpu_gib for lv in run.levels if lv.peak_server_gpu_gib is not None]
+    util = kv.gpu_memory_utilization
     if util is None:
         util = plan_inputs.get("gpu_memory_utilization")
-    gpu = run.get("gpu")
-    gpu_gib = gpu.get("memory_gib") if isinstance(gpu, Mapping) else run.get("gpu_gib")
     if gpu_gib is None:
         gpu_gib = plan_inputs.get("gpu_gib")
-    model = run.get("model")
-    preset = run.get("preset") or (_name(model, "name") if isinstance(model, Mapping) else None)
-    label = run.get("label")
-    started = run.get("started_at") or ""
+    started = run.started_at or ""
     return Measurement(
-        backend=backend, model=_name(model, "path", "name") or (arch.name if arch else "") or "",
-        kv_dtype=str(kv_dtype), gpu_name=_name(gpu, "name"), gpu_gib=gpu_gib,
+        backend=str(backend), model=(None if model is None else str(model)) or (arch.name if arch else "") or "",
+        kv_dtype=str(kv_dtype), gpu_name=gpu_name, gpu_gib=gpu_gib,
         weights_gib=pick("weights_gib"), kv_bytes_per_token=bpt, gpu_memory_utilization=util,
-        block_size=block_size, actual_tokens=actual, kv_cache_bytes=kv.get("bytes"),
+        block_size=kv.block_size, actual_tokens=actual, kv_cache_bytes=kv.bytes,
         peak_vram_gib=max(peaks) if peaks else None,
         preset=preset or plan_inputs.get("model") or (arch.name if arch else None),
-        dtype_bytes=dtype_bytes, job_id=None if label is None else f"{label}@{started}",
+        dtype_bytes=dtype_bytes, job_id=None if run.label is None else f"{run.label}@{started}",
         kv_cache_memory_bytes=plan_inputs.get("kv_cache_memory_bytes"),
     )
 
 
-def measurements_from_runs(runs: Iterable[Mapping[str, Any]],
-                           archs: Mapping[str, ModelArch] | None = None) -> list[Measurement]:
-    """Measurements of every run; `archs` maps a run's model (or preset) name to its architecture."""
+def measurements_from_runs(runs: Iterable[Measured], archs: Mapping[str, ModelArch] | None = None
+                           ) -> list[Measurement]:
+    """Measurements of every run; `archs` maps a run's model (a job's preset, or its file) to its
+    architecture."""
     out = []
     for run in runs:
-        arch = None
-        for name in (run.get("preset"), run.get("model")):
-            if archs and name in archs:
-                arch = archs[name]
-                break
+        names = (run.model.name, run.model.path) if isinstance(run, JobResult) else (run.model,)
+        arch = next((archs[n] for n in names if archs and n in archs), None)
         m = measurement_from_run(run, arch)
         if m is not None:
             out.append(m)
@@ -198,7 +187,7 @@ def calibration_row(m: Measurement, overhead_gib: float = DEFAULT_OVERHEAD_GIB) 
     }
 
 
-def _measurements(items: Iterable[Measurement | Mapping[str, Any]]) -> list[Measurement]:
+def _measurements(items: Iterable[Measurement | Measured]) -> list[Measurement]:
     out = []
     for it in items:
         m = it if isinstance(it, Measurement) else measurement_from_run(it)
@@ -207,10 +196,10 @@ def _measurements(items: Iterable[Measurement | Mapping[str, Any]]) -> list[Meas
     return out
 
 
-def calibration_rows(items: Iterable[Measurement | Mapping[str, Any]]) -> list[dict[str, Any]]:
+def calibration_rows(items: Iterable[Measurement | Measured]) -> list[dict[str, Any]]:
     """Reference-shaped rows, one per distinct configuration (jobs that share one engine setup —
     e.g. two scenarios on one server config — give one row). Takes Measurements, or job results /
-    runs (dicts) whose architecture comes from their `planner` block."""
+    runs whose architecture comes from their `planner` block."""
     rows: list[dict[str, Any]] = []
     for m in _measurements(items):
         row = calibration_row(m)
@@ -244,7 +233,7 @@ def _job_id(m: Measurement) -> str:
     return m.job_id or f"{m.model}|{m.kv_dtype}|{m.gpu_gib}|{m.actual_tokens}|{m.kv_cache_bytes}|{m.peak_vram_gib}"
 
 
-def fit(measurements: Iterable[Measurement | Mapping[str, Any]],
+def fit(measurements: Iterable[Measurement | Measured],
         previous: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """A calibration table from measured jobs, merged into `previous` (a job measured again replaces
     its earlier sample). Each entry's overhead_gib is the mean over its samples."""
@@ -284,7 +273,7 @@ def lookup_overhead_gib(table: Optional[Mapping[str, Any]], backend: str, gpu_na
     return None
 
 
-def calibration_report(measurements: Iterable[Measurement | Mapping[str, Any]],
+def calibration_report(measurements: Iterable[Measurement | Measured],
                        table: Optional[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per job: the reference row keys plus backend, gpu, overhead_gib (default),
     calibrated_overhead_gib, calibrated_tokens, calibrated_error_pct; for llama.cpp/Ollama
@@ -352,7 +341,7 @@ def save(table: Mapping[str, Any], path: Path | str | None = None) -> Path:
     return atomic_write(p, json.dumps(table, indent=2) + "\n")
 
 
-def update(measurements: Iterable[Measurement | Mapping[str, Any]], path: Path | str | None = None) -> dict[str, Any]:
+def update(measurements: Iterable[Measurement | Measured], path: Path | str | None = None) -> dict[str, Any]:
     """Fit these jobs into the calibration file (merging with what it holds) and save it."""
     table = fit(measurements, load(path))
     save(table, path)

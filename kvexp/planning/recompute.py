@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 from kvexp.backends import find
 from kvexp.capacity import planner
 from kvexp.capacity.planner import CacheModel, ModelArch
+from kvexp.results.runs import Aggregate
 
 
 @dataclass(frozen=True)
@@ -63,25 +64,13 @@ def _num(x: Any) -> Optional[float]:
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def run_name(x: Any) -> Optional[str]:
-    if isinstance(x, Mapping):
-        x = x.get("name")
-    return None if x is None else str(x)
-
-
-def run_kv(run: Mapping[str, Any]) -> Optional[str]:
-    kv = run.get("kv_cache") if isinstance(run.get("kv_cache"), Mapping) else {}
-    return kv.get("dtype") or run.get("kv_cache_dtype")
-
-
-def row_backend(row: Mapping[str, Any], aggregate: Mapping[str, Any]) -> Optional[str]:
+def row_backend(row: Mapping[str, Any], aggregate: Aggregate) -> Optional[str]:
     """The backend a calibration row describes: its own field, else its runs' (same model, KV dtype)."""
     if row.get("backend"):
         return str(row["backend"])
-    for run in aggregate.get("runs") or []:
-        if (isinstance(run, Mapping) and str(run.get("model")) == str(row.get("model"))
-                and run_kv(run) == row.get("kv_cache_dtype") and run_name(run.get("backend"))):
-            return run_name(run.get("backend"))
+    for run in aggregate.runs:
+        if str(run.model) == str(row.get("model")) and run.kv_cache.dtype == row.get("kv_cache_dtype") and run.backend:
+            return str(run.backend)
     return None
 
 
@@ -98,7 +87,7 @@ def _arch(row: Mapping[str, Any], pl: Mapping[str, Any]) -> tuple[Optional[Model
     return None, f"preset {preset!r} is neither in the document's planner block nor one of kvexp's"
 
 
-def check_row(index: int, row: Mapping[str, Any], aggregate: Mapping[str, Any],
+def check_row(index: int, row: Mapping[str, Any], aggregate: Aggregate,
               cache_for: Any = None) -> Check:
     """Recompute one calibration row. cache_for: backend name -> CacheModel or None (default: the
     adapter registry's declared cache models)."""
@@ -107,7 +96,7 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Mapping[str, Any],
             a = find(name)
             return a.cache_model if a is not None else None
 
-    pl = aggregate.get("planner") if isinstance(aggregate.get("planner"), Mapping) else {}
+    pl = aggregate.planner if isinstance(aggregate.planner, Mapping) else {}
     backend = row_backend(row, aggregate)
     kv = row.get("kv_cache_dtype")
     doc = _num(row.get("predicted_tokens"))
@@ -144,14 +133,14 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Mapping[str, Any],
                  inputs={**p["inputs"], "backend": backend, "block_size": p["block_size"]})
 
 
-def check_document(aggregate: Mapping[str, Any]) -> list[Check]:
+def check_document(aggregate: Aggregate) -> list[Check]:
     """Every calibration row of the aggregate, recomputed by kvexp's planner."""
-    rows = aggregate.get("calibration") or []
+    rows = aggregate.calibration or []
     # a row without a GPU size (a CPU run) holds no prediction to recompute: a GPU's capacity needs its size
     return [check_row(i, r, aggregate) for i, r in enumerate(rows) if isinstance(r, Mapping)
             and r.get("gpu_gib") is not None]
 
 
-def kvexp_tokens(row: Mapping[str, Any], aggregate: Mapping[str, Any]) -> Optional[int]:
+def kvexp_tokens(row: Mapping[str, Any], aggregate: Aggregate) -> Optional[int]:
     """kvexp's own predicted capacity for one calibration row (None: it cannot be recomputed)."""
     return check_row(0, row, aggregate).kvexp_tokens

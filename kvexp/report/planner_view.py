@@ -8,23 +8,22 @@ import logging
 from typing import Optional
 
 from kvexp import backends
-from kvexp.analysis import documents as D, runplan as RP
+from kvexp.analysis import runplan as RP
 from kvexp.capacity.planner import kv_bytes_per_token
 from kvexp.metrics import registry
-from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.planning import recompute, whatif
 from kvexp.planning.calibration import CalibrationError, load as load_calibration
-from kvexp.report.setup_view import kv_capacity
 from kvexp.report.tables import Table, drop_empty, level_cell
+from kvexp.results.runs import Aggregate
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 
-def planner_view(agg: dict) -> dict:
+def planner_view(agg: Aggregate) -> dict:
     """The planner section's constants and tables, as strings."""
-    pl = agg.get("planner") if isinstance(agg.get("planner"), dict) else {}
+    pl = agg.planner if isinstance(agg.planner, dict) else {}
     constants: list[tuple[str, str]] = []
     names = {"gpu_memory_utilization": "GPU memory utilisation", "overhead_gib": "Overhead (GiB)",
              "block_size": "Block size (tokens)"}
@@ -60,21 +59,21 @@ def planner_view(agg: dict) -> dict:
         presets = Table(["Preset", "Layers", "KV heads", "Head dim", "Params (B)", "KV KiB/token"], rows,
                         [False, True, True, True, True, False])
 
-    plans = [(r, RP.run_plan(r, agg)) for _, sruns in D.scenarios(agg) for r in sruns]
+    plans = [(r, RP.run_plan(r, agg)) for _, sruns in agg.scenarios() for r in sruns]
     cap_rows = []
     for r, p in plans:  # one row per run: each run's own planner error, never one row for several runs
         if p is None:
             continue
-        kv = D.kv_name(r)
-        server = kv_capacity(r.get("kv_cache") or {})
+        kv = r.kv
+        server = r.kv_cache.capacity
         diff = (server - p.capacity_tokens) / p.capacity_tokens * 100 if server and p.capacity_tokens else None
-        server_bytes = D.num(r.get("kv_cache") or {}, "bytes")
+        server_bytes = float(r.kv_cache.bytes) if is_num(r.kv_cache.bytes) else None
         mem_diff = ((server_bytes - p.kv_cache_bytes) / p.kv_cache_bytes * 100
                     if server_bytes and p.kv_cache_bytes else None)
         per_token = format_value("kv_bytes_per_token", p.kv_bytes_per_token)
         if per_token != registry.UNKNOWN:
             per_token += registry.window_words(p.window_bytes_per_sequence)
-        cap_rows.append([str(r.get("label")), D.backend_name(r.get("backend")), str(r.get("model")), kv.display,
+        cap_rows.append([r.label, r.backend_name, str(r.model), kv.display,
                          per_token,
                          format_value("capacity_tokens", p.capacity_tokens),
                          format_value("capacity_tokens", p.calibrated_capacity_tokens),
@@ -92,8 +91,8 @@ def planner_view(agg: dict) -> dict:
     for r, p in plans:
         if p is None:
             continue
-        levels = [lv for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == "concurrency"]
-        top = format_value("concurrency", D.num(levels[-1], "concurrency")) if levels else "—"
+        levels = [lv for lv in r.merged_levels() if lv.x and lv.x[0] == "concurrency"]
+        top = format_value("concurrency", levels[-1].number("concurrency")) if levels else "—"
 
         def first(rows: tuple[RP.PlanLevel, ...], what: str) -> str:
             hit = next((q for q in rows if getattr(q, what)), None)
@@ -102,14 +101,14 @@ def planner_view(agg: dict) -> dict:
             known = [q for q in rows if getattr(q, what) is not None]
             return f"none up to {format_value('concurrency', known[-1].x)}" if known else "—"
 
-        if D.exposes(r, "preemptions"):
-            obs = next((lv for lv in levels if D.num(lv, "preemptions")), None)
-            observed = format_value("concurrency", obs["concurrency"]) if obs else f"none up to {top}"
+        if r.exposes("preemptions"):
+            obs = next((lv for lv in levels if lv.number("preemptions")), None)
+            observed = format_value("concurrency", obs.concurrency) if obs else f"none up to {top}"
         else:
             observed = registry.missing_text("preemptions", level_failed=False, exposed_elsewhere=False,
-                                             foreign=bool(r.get("tool")))
+                                             foreign=bool(r.tool))
         pre_rows.append([
-            str(r.get("scenario")), str(r.get("label")), format_value("tokens", p.tokens_per_request),
+            str(r.scenario), r.label, format_value("tokens", p.tokens_per_request),
             format_value("concurrency", p.max_concurrency),
             format_value("concurrency", p.calibrated_max_concurrency),
             first(p.levels, "predicts_preemption"), first(p.calibrated_levels, "predicts_preemption"), observed,
@@ -124,7 +123,7 @@ def planner_view(agg: dict) -> dict:
     if preemption is not None:
         preemption = drop_empty(preemption, keep=2)
 
-    cal = [row for row in agg.get("calibration") or [] if isinstance(row, dict)]
+    cal = [row for row in agg.calibration or [] if isinstance(row, dict)]
     calibration = None
     if cal:
         has_cal = any(row.get("calibrated_tokens") is not None for row in cal)
@@ -167,32 +166,32 @@ def _check_cells(c: Optional[recompute.Check]) -> list[str]:
             verdict]
 
 
-def _whatif_configs(agg: dict) -> list[tuple[tuple, Optional[str]]]:
+def _whatif_configs(agg: Aggregate) -> list[tuple[tuple, Optional[str]]]:
     """What-if configurations of an aggregate with their scenario: every run's own planner block, and
     every calibration row kvexp recomputed (with the prompt and output length of its runs)."""
     out: dict[tuple, tuple[tuple, Optional[str]]] = {}
     checks = [c for c in recompute.check_document(agg) if c.kvexp_tokens is not None]
-    for r in agg.get("runs") or []:
-        adapter = backends.find(recompute.run_name(r.get("backend")))
+    for r in agg.runs:
+        adapter = backends.find(r.backend)
         if adapter is None:
             continue
-        p = r.get("planner")
+        p = r.planner
         configs = []
         if isinstance(p, dict) and isinstance(p.get("inputs"), dict):
             configs.append(whatif.from_plan(p, adapter.cache_model))
         for c in checks:
-            if (c.backend == adapter.name and str(c.model) == str(r.get("model"))
-                    and recompute.run_kv(r) == c.kv_dtype and is_num(r.get("prompt_tokens"))):
-                inputs = {**c.inputs, "prompt_tokens": r["prompt_tokens"], "max_tokens": r.get("max_tokens") or 0}
+            if (c.backend == adapter.name and str(c.model) == str(r.model)
+                    and r.kv_cache.dtype == c.kv_dtype and is_num(r.prompt_tokens)):
+                inputs = {**c.inputs, "prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens or 0}
                 configs.append((inputs, {}, adapter.cache_model, adapter.name))
         for cfg in configs:
             i = cfg[0]
             key = (cfg[3], i.get("model"), i.get("kv_dtype"), i.get("prompt_tokens"), i.get("max_tokens"))
-            out.setdefault(key, (cfg, str(r.get("scenario"))))
+            out.setdefault(key, (cfg, str(r.scenario)))
     return list(out.values())
 
 
-def whatif_view(agg: dict) -> Optional[Table]:
+def whatif_view(agg: Aggregate) -> Optional[Table]:
     """The what-if table: each configuration on each conf/gpu preset, with this machine's fitted
     overheads (the calibration file; none when it cannot be read)."""
     configs = _whatif_configs(agg)
@@ -211,5 +210,5 @@ def whatif_view(agg: dict) -> Optional[Table]:
 
 
 
-def _has_gpu(agg: dict) -> bool:
-    return bool(agg.get("gpu") or agg.get("gpu_gib") or any(r.get("gpu") for r in agg.get("runs") or []))
+def _has_gpu(agg: Aggregate) -> bool:
+    return bool(agg.gpu or agg.gpu_gib or any(r.gpu for r in agg.runs))

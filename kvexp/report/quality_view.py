@@ -14,9 +14,10 @@ from kvexp.analysis.verdict import kv_key, kv_lookups, short_names
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
 from kvexp.report.tables import Table, drop_empty
+from kvexp.results.runs import Aggregate
 
 
-def _memory_vs_drift(agg: dict, colours: dict[str, str]) -> list[C.Series]:
+def _memory_vs_drift(agg: Aggregate, colours: dict[str, str]) -> list[C.Series]:
     """Per backend and model: one point per KV dtype at (mean KLD at the deepest depth, KV bytes per
     token), labelled with the dtype: what a smaller KV dtype saves against what it costs."""
     mem, kld = kv_lookups(agg)
@@ -25,24 +26,24 @@ def _memory_vs_drift(agg: dict, colours: dict[str, str]) -> list[C.Series]:
         if key in mem and key[2]:
             groups.setdefault(key[:2], {})[key[2]] = (mean_kld, mem[key])
     first = {}
-    for r in agg.get("runs") or []:
+    for r in agg.runs:
         first.setdefault(kv_key(r)[:2], r)
     names = len({m for _, m in groups}) > 1
     out = []
     for (backend, model), pts in groups.items():
         order = sorted(pts.items(), key=lambda kv: kv[1][1])
         label = backend_name(backend) + (f", {model.rsplit('/', 1)[-1]}" if names else "")
-        out.append(C.Series(label, colours.get(str(first[(backend, model)].get("label")), "#1f77b4"),
+        out.append(C.Series(label, colours.get(first[(backend, model)].label, "#1f77b4"),
                             tuple(p[0] for _, p in order), tuple(p[1] for _, p in order), C.marker(backend),
                             point_labels=tuple(k for k, _ in order)))
     return out
 
 
-def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
+def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
     """The quality section: one row per run and context depth (teacher-forced drift from the 16-bit KV
     baseline, beside the run's KV capacity and its continuation agreement) and a chart of mean KLD
     against context depth; None when no run measured quality."""
-    runs = [r for r in agg.get("runs") or [] if isinstance(r.get("quality"), dict)]
+    runs = [r for r in agg.runs if isinstance(r.quality, dict)]
     if not runs:
         return None
     headers = ["Run", "KV", "Baseline", "Depth", "Positions", "Mean KLD", "Median KLD", "p99 KLD", "Top-1 agree",
@@ -51,17 +52,17 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
     rows, series, methods, notes = [], [], {}, []
     names = short_names(runs)
     for r in runs:
-        q = r["quality"]
+        q = r.quality
         tf, cont, base = q.get("teacher_forced") or {}, q.get("continuation") or {}, q.get("baseline") or {}
         if tf.get("method"):
             methods[tf["method"]] = tf.get("precision")
         depths = tf.get("depths") or [{}]
-        cap = (r.get("kv_cache") or {}).get("capacity_tokens")
+        cap = r.kv_cache.capacity_tokens
         src = "cache" if base.get("cached") else ("this job" if base.get("measured_by_this_job") else "—")
         for d in depths:
             status = d.get("status")
             rows.append([
-                str(r.get("label")), str(q.get("kv")), str(base.get("kv")),
+                r.label, str(q.get("kv")), str(base.get("kv")),
                 format_value("context", d.get("context")), format_value("positions", d.get("positions")),
                 fmt_kld(d.get("kld_mean")), fmt_kld(d.get("kld_median")), fmt_kld(d.get("kld_p99")),
                 fmt_share(d.get("top1_agreement")), format_value("ppl", d.get("ppl_base")),
@@ -70,20 +71,20 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
                 format_value("first_diff", cont.get("first_diff_mean")), fmt_share(cont.get("prefix_agreement")),
                 src])
             if status and status != "ok":
-                notes.append(f"{r.get('label')}, depth {d.get('context')}: {status}: {d.get('reason')}")
+                notes.append(f"{r.label}, depth {d.get('context')}: {status}: {d.get('reason')}")
         if tf.get("reason"):
-            notes.append(f"{r.get('label')}: teacher-forced drift not measured: {tf['reason']}")
+            notes.append(f"{r.label}: teacher-forced drift not measured: {tf['reason']}")
         if cont.get("reason"):
-            notes.append(f"{r.get('label')}: continuations: {cont['reason']}")
-        notes += [f"{r.get('label')}: {w}" for w in q.get("warnings") or []]
+            notes.append(f"{r.label}: continuations: {cont['reason']}")
+        notes += [f"{r.label}: {w}" for w in q.get("warnings") or []]
         pts = [(float(d["context"]), float(d["kld_mean"])) for d in tf.get("depths") or []
                if d.get("status") == "ok" and is_num(d.get("kld_mean")) and d["kld_mean"] > 0]
         if q.get("kv") == base.get("kv"):  # the baseline against itself: the method's floor, in the table
             pts = []
         if pts:
-            label = str(r.get("label"))
+            label = r.label
             series.append(C.Series(names[label], colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
-                                   tuple(y for _, y in pts), C.marker(r.get("backend"))))
+                                   tuple(y for _, y in pts), C.marker(r.backend)))
     ys = [y for s_ in series for y in s_.ys if y is not None]
     logy = bool(ys) and max(ys) / min(ys) > 20
     if series:
@@ -109,9 +110,9 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
             "methods": [f"{m}: {p}" if p else m for m, p in methods.items()]}
 
 
-def card_view(agg: dict) -> list[dict]:
+def card_view(agg: Aggregate) -> list[dict]:
     """The KV-dtype cards (kvexp/analysis/card.py): a title and a table each."""
-    cards = agg.get("kv_cards") if isinstance(agg.get("kv_cards"), list) else kv_cards(agg)
+    cards = agg.kv_cards if isinstance(agg.kv_cards, list) else kv_cards(agg)
     return [{"title": f"{backend_name(c['backend'])}, {c['model']} ({c['weights']}), scenario {c['scenario']}: "
                       f"each KV configuration against the {c['baseline']} cache",
              "table": Table(CARD_HEADERS, card_rows(c), [False, False, True, True, False, False, True, True, True],

@@ -37,6 +37,7 @@ from kvexp.report.scenario_view import scenario_views
 from kvexp.report.setup_view import default_title, setup_view
 from kvexp.report.tables import write_csv
 from kvexp.report.templating import ReportError, environment, templates_dir
+from kvexp.results.runs import Aggregate, Run
 from kvexp.results.validate import validate_document
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,9 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
-def colour_key(run: dict) -> str:
+def colour_key(run: Run) -> str:
     """Runs that differ only by scenario share a colour: the label with the scenario token removed."""
-    label, scen = str(run.get("label")), str(run.get("scenario") or "")
+    label, scen = run.label, str(run.scenario or "")
     if scen:
         stripped = re.sub(rf"(^|[-_.]){re.escape(scen)}(?=$|[-_.])", "", label).strip("-_.")
         if stripped:
@@ -91,19 +92,19 @@ _FINDING_GROUPS = (
 )
 
 
-def skipped_runs(runs: list[dict]) -> list[dict[str, str]]:
+def skipped_runs(runs: list[Run]) -> list[dict[str, str]]:
     """The sweep's jobs that could not run (an unsupported backend x KV pair): label and reason."""
-    return [{"label": str(r.get("label")), "reason": D.first_line(r.get("status_reason")) or "no reason recorded"}
-            for r in runs if D.run_status(r) == "skipped"]
+    return [{"label": r.label, "reason": D.first_line(r.status_reason) or "no reason recorded"}
+            for r in runs if r.state == "skipped"]
 
 
-def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
+def build_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Optional[Path] = None,
                   svg: bool = True) -> dict:
     """Everything the templates show, as plain strings, tables and rendered charts."""
-    if not isinstance(aggregate, dict) or not isinstance(aggregate.get("runs"), list):
+    if not isinstance(aggregate, Aggregate) or aggregate.present is not None and "runs" not in aggregate.present:
         raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
-    runs = aggregate["runs"]
-    keys = {str(r.get("label")): colour_key(r) for r in runs}
+    runs = aggregate.runs
+    keys = {r.label: colour_key(r) for r in runs}
     by_key = C.colour_map(keys.values())
     colours = {label: by_key[k] for label, k in keys.items()}
     findings = F.compute_findings(aggregate)
@@ -117,16 +118,16 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         items = [f.sentence for f in findings if f.kind in kinds]
         if items:
             groups.append({"name": name, "sentences": items})
-    failures = [{"label": str(r.get("label")), "status": D.run_status(r), "scenario": str(r.get("scenario")),
-                 "reason": _tail(r.get("status_reason")) or "no reason recorded"}
-                for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
+    failures = [{"label": r.label, "status": r.state, "scenario": str(r.scenario),
+                 "reason": _tail(r.status_reason) or "no reason recorded"}
+                for r in runs if r.state in ("failed", "partial", "skipped")]
     return {
         "verdicts": [v.to_json() for v in verdicts(aggregate)],
         "skipped": skipped_runs(runs),
         "recommendations": [r["sentence"] for r in recommendations(aggregate)],
-        "title": title or aggregate.get("title") or default_title(aggregate),
+        "title": title or aggregate.title or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),
+        "kvexp_version": aggregate.kvexp_version or (aggregate.environment or {}).get("kvexp_version"),
         "findings": groups,
         "setup": setup_view(aggregate),
         "scenarios": scenario_views(aggregate, colours, warnings, png_dir, svg),
@@ -144,7 +145,7 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
 # Files
 
 
-def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
+def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = None,
                   formats: Iterable[str] = FORMATS) -> dict[str, Path]:
     """Write report.md (+ charts/*.png), report.html (inline SVG), report.pdf, comparison.json and
     comparison.csv into out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what
@@ -156,7 +157,8 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
                           f"allowed values are {', '.join(FORMATS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    validate_document(aggregate, "aggregate")
+    doc = aggregate.to_json()
+    validate_document(doc, "aggregate")
     want_svg = "html" in formats or "pdf" in formats
     png_dir = out_dir / "charts" if "md" in formats else None
     ctx = build_context(aggregate, title, png_dir, want_svg)
@@ -174,7 +176,7 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         if "html" in formats:
             files["html"] = atomic_write(out_dir / FILES["html"], html)
     files["json"] = atomic_write(out_dir / FILES["json"],
-                                 json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
+                                 json.dumps(_json_safe(doc), indent=2, ensure_ascii=False) + "\n")
     files["csv"] = write_csv(aggregate, out_dir / FILES["csv"])
     if "pdf" in formats and html is not None:
         try:

@@ -12,9 +12,10 @@ from typing import Any, Optional
 from kvexp.analysis import documents as D, flags as FL, runplan as RP
 from kvexp.analysis.verdict import short_names
 from kvexp.metrics import registry
-from kvexp.metrics.levels import level_x
+from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
+from kvexp.results.runs import Aggregate, Run
 from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
                                  numeric, uniq)
 
@@ -24,14 +25,14 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower()[:100].rstrip("-") or "x"
 
 
-def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]
+def _level_tables(runs: list[Run], warn_codes: dict[tuple[int, int], list[str]], run_index: dict[int, int]
                   ) -> tuple[Table, list[tuple[str, Table]], list[str]]:
     """The scenario's level table (every level as recorded) and the detail tables, as strings."""
-    rows: list[tuple[dict, int, dict]] = []
+    rows: list[tuple[Run, int, Level]] = []
     for r in runs:
-        levels = r.get("levels") or []
-        for li in sorted(range(len(levels)), key=lambda i: (level_x(levels[i]) or ("~", math.inf),
-                                                            levels[i].get("repeat") or 0)):
+        levels = r.levels
+        for li in sorted(range(len(levels)), key=lambda i: (levels[i].x or ("~", math.inf),
+                                                            levels[i].repeat or 0)):
             rows.append((r, li, levels[li]))
 
     def columns(keys: tuple[str, ...], keep: set[str]) -> list[tuple[str, list[str]]]:
@@ -42,7 +43,7 @@ def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]]
                 out.append((k, cells))
         return out
 
-    has_conc = any(is_num(lv.get("concurrency")) for _, _, lv in rows)
+    has_conc = any(is_num(lv.concurrency) for _, _, lv in rows)
     reuse = any(_reuses(r) for r in runs)
     main_cols = columns(tuple(k for k in LEVEL_COLUMNS if reuse or not k.startswith("prefix_cache.")),
                         ALWAYS - (set() if has_conc or not rows else {"concurrency"}) | ({"prefix_cache.hit_rate"}
@@ -54,7 +55,7 @@ def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]]
         codes = warn_codes.get((run_index[id(r)], li), [])
         used += [c for c in codes if c not in used]
         notes.append(", ".join(codes))
-    body = [[str(r.get("label")), D.kv_name(r).display, *(cells[n] for _, cells in main_cols), notes[n]]
+    body = [[r.label, r.kv.display, *(cells[n] for _, cells in main_cols), notes[n]]
             for n, (r, _, _) in enumerate(rows)]
     main = Table(["Run", "KV", *(header(k) for k, _ in main_cols), "Notes"], body,
                  [False, False, *(numeric(k) for k, _ in main_cols), False], kind="levels")
@@ -65,36 +66,36 @@ def _level_tables(runs: list[dict], warn_codes: dict[tuple[int, int], list[str]]
         dcols = columns(cols, set())
         if not dcols:
             continue
-        where = [D.fmt_x(*level_x(lv)) + (f" #{lv['repeat']}" if (lv.get("repeat") or 0) > 0 else "")
-                 if level_x(lv) else "—" for _, _, lv in rows]
-        drows = [[str(r.get("label")), where[n], *(cells[n] for _, cells in dcols)] for n, (r, _, _) in enumerate(rows)]
+        where = [D.fmt_x(*lv.x) + (f" #{lv.repeat}" if (lv.repeat or 0) > 0 else "")
+                 if lv.x else "—" for _, _, lv in rows]
+        drows = [[r.label, where[n], *(cells[n] for _, cells in dcols)] for n, (r, _, _) in enumerate(rows)]
         details.append((name, Table(["Run", "Level", *(header(k) for k, _ in dcols)], drows,
                                     [False, True, *(numeric(k) for k, _ in dcols)], kind="levels")))
     return main, details + _workload_tables(rows), used
 
 
-def _reuses(run: dict) -> bool:
+def _reuses(run: Run) -> bool:
     """The run's workload reuses prompts on purpose (shared prefixes, conversations, a dataset, a trace)."""
-    return ((run.get("workload") or {}).get("kind") or "synthetic") != "synthetic"
+    return ((run.workload or {}).get("kind") or "synthetic") != "synthetic"
 
 
 def _lengths(s: Optional[dict]) -> str:
     return "—" if not s else f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p99']:.0f}"
 
 
-def _workload_tables(rows: list[tuple[dict, int, dict]]) -> list[tuple[str, Table]]:
+def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Table]]:
     """The workload's shape beside what it measured: lengths asked and realised, the prefix cache and its
     reset per level; a histogram of realised prompt lengths per run; per-turn figures of conversations."""
-    rows = [(r, li, lv) for r, li, lv in rows if lv.get("workload")]
+    rows = [(r, li, lv) for r, li, lv in rows if lv.workload]
     if not rows:
         return []
     out = []
     body = []
     for r, _, lv in rows:
-        w, pc, reset = lv["workload"], lv.get("prefix_cache"), lv.get("cache_reset")
+        w, pc, reset = lv.workload, lv.prefix_cache, lv.cache_reset
         checked = w.get("prompts_checked") or 0
         arrival = (w.get("arrival_error_ms") or {}).get("p99")
-        body.append([str(r.get("label")), D.fmt_x(*level_x(lv)) if level_x(lv) else "—",
+        body.append([r.label, D.fmt_x(*lv.x) if lv.x else "—",
                      _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
                      _lengths(w["output_tokens"]["realised"]),
                      f"{w['prompts_exact']}/{checked}" if checked else "—",
@@ -110,21 +111,21 @@ def _workload_tables(rows: list[tuple[dict, int, dict]]) -> list[tuple[str, Tabl
     hist = []
     seen: set[str] = set()
     for r, _, lv in rows:  # one histogram per run: its first level's realised prompt lengths
-        bins = lv["workload"].get("prompt_histogram") or []
-        if str(r.get("label")) in seen or not bins:
+        bins = lv.workload.get("prompt_histogram") or []
+        if r.label in seen or not bins:
             continue
-        seen.add(str(r.get("label")))
+        seen.add(r.label)
         top = max(b["count"] for b in bins) or 1
-        hist += [[str(r.get("label")), f"{b['lo']}–{b['hi']}" if b["hi"] != b["lo"] else str(b["lo"]),
+        hist += [[r.label, f"{b['lo']}–{b['hi']}" if b["hi"] != b["lo"] else str(b["lo"]),
                   str(b["count"]), "█" * max(1 if b["count"] else 0, round(20 * b["count"] / top))] for b in bins]
     if hist:
         out.append(("Prompt lengths (realised, first level)",
                     Table(["Run", "Prompt tokens", "Requests", ""], hist, [False, True, True, False])))
-    turns = [[str(r.get("label")), D.fmt_x(*level_x(lv)), str(t["turn"] + 1), str(t["requests"]),
+    turns = [[r.label, D.fmt_x(*lv.x), str(t["turn"] + 1), str(t["requests"]),
               format_value("mean_prompt_tokens", t["mean_prompt_tokens"]),
               format_value("mean_prompt_tokens", t["mean_cached_tokens"]),
               format_value("ttft_p50_ms", t["ttft_p50_ms"])]
-             for r, _, lv in rows for t in lv.get("turns") or []]
+             for r, _, lv in rows for t in lv.turns or []]
     if turns:
         out.append(("Conversation turns", Table(["Run", "Level", "Turn", header("requests"),
                                                  header("mean_prompt_tokens"), "Mean cached tokens",
@@ -150,35 +151,35 @@ def _workload_text(w: dict) -> str:
     return "workload: " + ", ".join(parts)
 
 
-def _series(runs: list[dict], xkind: str, key: str, colours: dict[str, str], scale: float = 1.0,
+def _series(runs: list[Run], xkind: str, key: str, colours: dict[str, str], scale: float = 1.0,
             linestyle: str = "-") -> list[C.Series]:
     out = []
     for r in runs:
         # a figure a warning disqualifies (registry.shown_value) is not drawn as if it were plain
-        pts = [(level_x(lv)[1], None if registry.shown_value(lv, key) else D.num(lv, key))  # type: ignore[index]
-               for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)]
+        pts = [(lv.x[1], None if registry.shown_value(lv, key) else lv.number(key))  # type: ignore[index]
+               for lv in r.merged_levels() if lv.x and lv.x[0] == xkind and r.usable(lv)]
         if any(y is not None for _, y in pts):
-            out.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(x for x, _ in pts),
+            out.append(C.Series(r.label, colours[r.label], tuple(x for x, _ in pts),
                                 tuple(None if y is None else y * scale for _, y in pts),
-                                C.marker(r.get("backend")), linestyle))
+                                C.marker(r.backend), linestyle))
     return out
 
 
-def _pareto(runs: list[dict], xkind: str, latency: str, colours: dict[str, str]) -> list[C.Series]:
+def _pareto(runs: list[Run], xkind: str, latency: str, colours: dict[str, str]) -> list[C.Series]:
     """Throughput (y) against a latency percentile (x), one line per run through its levels, each point
     labelled with its level; a point whose latency a warning disqualifies (registry.shown_value) is left out."""
     names = short_names(runs)
     out = []
     for r in runs:
-        pts = [(D.num(lv, latency), D.num(lv, "throughput_tok_s"), level_x(lv)[1])  # type: ignore[index]
-               for lv in D.sorted_levels(r) if level_x(lv) and level_x(lv)[0] == xkind and D.usable(r, lv)
+        pts = [(lv.number(latency), lv.number("throughput_tok_s"), lv.x[1])  # type: ignore[index]
+               for lv in r.merged_levels() if lv.x and lv.x[0] == xkind and r.usable(lv)
                and registry.shown_value(lv, latency) is None]
         pts = [(x, y, lv) for x, y, lv in pts if x is not None and y is not None and x > 0]
         if pts:
             tag = "c=" if xkind == "concurrency" else ""
             unit = "" if xkind == "concurrency" else "/s"
-            out.append(C.Series(names[str(r.get("label"))], colours[str(r.get("label"))], tuple(x for x, _, _ in pts),
-                                tuple(y for _, y, _ in pts), C.marker(r.get("backend")),
+            out.append(C.Series(names[r.label], colours[r.label], tuple(x for x, _, _ in pts),
+                                tuple(y for _, y, _ in pts), C.marker(r.backend),
                                 point_labels=tuple(f"{tag}{lv:g}{unit}" for _, _, lv in pts)))
     return out
 
@@ -188,9 +189,9 @@ def _wide_y(series: list[C.Series]) -> bool:
     return bool(ys) and max(ys) / min(ys) > 50
 
 
-def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: dict[str, str], agg: dict,
+def _chart_specs(scen: str, stem: str, runs: list[Run], xkind: str, colours: dict[str, str], agg: Aggregate,
                  plans: dict[str, Optional[RP.RunPlan]]) -> tuple[list[C.ChartSpec], list[str]]:
-    xs = [level_x(lv)[1] for r in runs for lv in r.get("levels") or [] if level_x(lv) and level_x(lv)[0] == xkind]
+    xs = [lv.x[1] for r in runs for lv in r.levels if lv.x and lv.x[0] == xkind]
     logx = C.span_is_wide(xs)
     xlabel = "Concurrency (requests in flight)" if xkind == "concurrency" else "Request rate (requests/s)"
     stem = stem + ("" if xkind == "concurrency" else "-rate")
@@ -223,7 +224,7 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
         style_key=tuple(styles) if len(styles) > 1 or server else ())
     mem = _series(runs, xkind, "peak_vram_gib", colours)
     rss = _series(runs, xkind, "peak_rss_gib", colours, linestyle="-.")
-    gib = agg.get("gpu_gib")
+    gib = agg.gpu_gib
     add("memory", "peak memory", "Peak memory (GiB)", mem + rss,
         hlines=((float(gib), f"GPU memory {format_value('gpu_gib', gib)} GiB"),) if is_num(gib) and mem else (),
         style_key=((("-", "VRAM"), ("-.", "process RSS")) if rss and mem else ()))
@@ -231,17 +232,17 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
     planned, calibrated, sources = [], [], []
     if xkind == "concurrency":
         for r in runs:
-            plan = plans.get(str(r.get("label")))
-            if plan is None or D.run_status(r) == "failed":
+            plan = plans.get(r.label)
+            if plan is None or r.state == "failed":
                 continue
             for levels, dest, ls in ((plan.levels, planned, "--"), (plan.calibrated_levels, calibrated, "-.")):
                 pts = [p for p in levels if p.predicted_kv_usage is not None]
                 if pts:
-                    dest.append(C.Series(str(r.get("label")), colours[str(r.get("label"))], tuple(p.x for p in pts),
+                    dest.append(C.Series(r.label, colours[r.label], tuple(p.x for p in pts),
                                          tuple(p.predicted_kv_usage * 100 for p in pts),  # type: ignore[operator]
-                                         C.marker(r.get("backend")), ls))
+                                         C.marker(r.backend), ls))
                     sources.append(plan.source)
-    hidden = [str(r.get("label")) for r in runs if r.get("levels") and not D.exposes(r, "peak_kv_cache_usage")]
+    hidden = [r.label for r in runs if r.levels and not r.exposes("peak_kv_cache_usage")]
     key = [("-", "measured")] if kv else []
     if planned:
         key.append(("--", "planner"))
@@ -258,60 +259,60 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
     return specs, notes
 
 
-def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
+def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
                    svg: bool) -> list[dict]:
     """One section per scenario: its description, level and detail tables, warning codes and charts."""
-    runs_all = list(agg.get("runs") or [])
+    runs_all = agg.runs
     run_index = {id(r): i for i, r in enumerate(runs_all)}
     warn_codes: dict[tuple[int, int], list[str]] = {}
     for w in warnings:
         codes = warn_codes.setdefault((w.run_index, w.level_index), [])
         if w.tag not in codes:
             codes.append(w.tag)
-    plans = {str(r.get("label")): RP.run_plan(r, agg) for r in runs_all}
+    plans = {r.label: RP.run_plan(r, agg) for r in runs_all}
     out = []
     stems: set[str] = set()
-    for scen, runs in D.scenarios(agg):
+    for scen, runs in agg.scenarios():
         stem = _slug(scen)
         while stem in stems:  # two names with one slug ("a b", "a-b") must not share chart files
             stem += "-x"
         stems.add(stem)
         main, details, codes = _level_tables(runs, warn_codes, run_index)
-        kinds = uniq(level_x(lv)[0] for r in runs for lv in D.sorted_levels(r) if level_x(lv))
+        kinds = uniq(lv.x[0] for r in runs for lv in r.merged_levels() if lv.x)
         charts, notes = [], []
         for xkind in kinds:
             specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
             notes += n
             charts += [C.render_chart(s, png_dir, svg) for s in specs]
         names = short_names(runs)  # backend + KV dtype (+ model where it varies), not job ids
-        entries = [(names[str(r.get("label"))], colours[str(r.get("label"))], C.marker(r.get("backend")))
-                   for r in runs if any(D.usable(r, lv) for lv in r.get("levels") or [])]
+        entries = [(names[r.label], colours[r.label], C.marker(r.backend))
+                   for r in runs if any(r.usable(lv) for lv in r.levels)]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
         legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
             if entries and charts and png_dir is not None else None
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
         # a trace's or a dataset's own lengths, not the scenario's, are what was sent
-        own = [r for r in runs if (r.get("workload") or {}).get("kind") not in ("trace", "dataset")]
-        prompt = uniq(r.get("prompt_tokens") for r in own)
-        maxt = uniq(r.get("max_tokens") for r in own)
+        own = [r for r in runs if (r.workload or {}).get("kind") not in ("trace", "dataset")]
+        prompt = uniq(r.prompt_tokens for r in own)
+        maxt = uniq(r.max_tokens for r in own)
         desc = []
         if prompt:
             desc.append(f"prompt {', '.join(map(str, prompt))} tokens")
         if maxt:
             desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
-        desc += uniq(_workload_text(r.get("workload")) for r in runs if _reuses(r) or
-                     ((r.get("workload") or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
-        ran = [r for r in runs if D.run_status(r) != "skipped"]  # a skipped job is no run: it is listed apart
+        desc += uniq(_workload_text(r.workload) for r in runs if _reuses(r) or
+                     ((r.workload or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
+        ran = [r for r in runs if r.state != "skipped"]  # a skipped job is no run: it is listed apart
         desc.append(f"{len(ran)} run{'s' if len(ran) != 1 else ''}" + (f", {len(runs) - len(ran)} skipped"
                                                                       if len(ran) < len(runs) else ""))
-        failed = [{"label": str(r.get("label")), "status": D.run_status(r),
-                   "reason": D.first_line(r.get("status_reason")) or "no reason recorded"}
-                  for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
+        failed = [{"label": r.label, "status": r.state,
+                   "reason": D.first_line(r.status_reason) or "no reason recorded"}
+                  for r in runs if r.state in ("failed", "partial", "skipped")]
         out.append({
             "name": scen, "anchor": stem, "description": "; ".join(desc), "table": main, "details": details,
             "codes": [(c, FL.WARNING_CODES.get(c, c)) for c in codes],
-            "kv_label_note": any(D.kv_name(r).source == "label" for r in runs), "charts": charts, "legend": legend,
+            "kv_label_note": any(r.kv.source == "label" for r in runs), "charts": charts, "legend": legend,
             "legend_items": legend_items,
             "notes": notes, "failed": failed,
         })

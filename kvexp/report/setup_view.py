@@ -9,9 +9,9 @@ import shlex
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D
-from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report.tables import Table, drop_empty, tool_name, uniq
+from kvexp.results.runs import Aggregate, Run
 
 
 def _short_model(model: Any) -> str:
@@ -23,13 +23,13 @@ def _gib(v: Any) -> Optional[float]:
     return v / 2**30 if is_num(v) else None
 
 
-def device_text(aggregate: dict) -> Optional[str]:
+def device_text(aggregate: Aggregate) -> Optional[str]:
     """The GPU(s) of the runs; "CPU only: <model>" when no run had a GPU and the environment names the
     CPU; None when neither is known."""
-    gpus = uniq([aggregate.get("gpu"), *(r.get("gpu") for r in aggregate.get("runs") or [])])
+    gpus = uniq([aggregate.gpu, *(r.gpu for r in aggregate.runs)])
     if gpus:
         return ", ".join(map(str, gpus))
-    cpu = (aggregate.get("environment") or {}).get("cpu") if isinstance(aggregate.get("environment"), dict) else None
+    cpu = aggregate.environment.get("cpu") if isinstance(aggregate.environment, dict) else None
     return f"CPU only: {cpu}" if cpu else None
 
 
@@ -55,79 +55,70 @@ def _model_stem(model: Any) -> str:
     return m.group("stem") if m else name.removesuffix(".gguf")
 
 
-def default_title(aggregate: dict) -> str:
+def default_title(aggregate: Aggregate) -> str:
     """"kvexp comparison — <device> — <model> (llama.cpp: GGUF Q4_1; vLLM: bfloat16)": each model named once,
     with each backend's weights beside it where backends served it from different files."""
     gpu = device_text(aggregate) or "unknown GPU"
-    runs = [r for r in aggregate.get("runs") or [] if D.run_status(r) != "skipped"]
-    models = uniq(_model_stem(r.get("model")) for r in runs)
+    runs = [r for r in aggregate.runs if r.state != "skipped"]
+    models = uniq(_model_stem(r.model) for r in runs)
     if len(models) == 1:
-        served = uniq(f"{D.backend_name(r.get('backend'))}: {D.weights_display(r)}" for r in runs)
-        files = uniq(_short_model(r.get("model")) for r in runs)
+        served = uniq(f"{r.backend_name}: {r.weights_text}" for r in runs)
+        files = uniq(_short_model(r.model) for r in runs)
         what = models[0] + (f" ({'; '.join(served)})" if len(files) > 1 else "")
     else:
         what = ", ".join(models) if 0 < len(models) <= 3 else f"{len(models)} models" if models else "no runs"
     return f"kvexp comparison — {gpu} — {what}"
 
 
-def kv_capacity(kv: dict) -> Optional[float]:
-    """The KV tokens a server reported: its capacity, else blocks x block size; None when unknown."""
-    if is_num(kv.get("capacity_tokens")):
-        return float(kv["capacity_tokens"])
-    if is_num(kv.get("blocks")) and is_num(kv.get("block_size")):
-        return float(kv["blocks"] * kv["block_size"])
-    return None
-
-
-def _output_length(run: dict) -> str:
-    flag = run.get("variable_length")
+def _output_length(run: Run) -> str:
+    flag = run.variable_length
     if flag is True:
         return "capped"
     if flag is False:
         return "forced"
-    return "capped (assumed)" if D.caps_output_only(run) else "—"
+    return "capped (assumed)" if run.caps_output_only else "—"
 
 
-def setup_view(agg: dict) -> dict:
+def setup_view(agg: Aggregate) -> dict:
     """The setup section's facts and tables, as strings."""
-    runs = list(agg.get("runs") or [])
+    runs = agg.runs
     facts: list[tuple[str, str]] = []
-    gib = agg.get("gpu_gib")
+    gib = agg.gpu_gib
     facts.append(("GPU", device_text(agg) or "—"))
     facts.append(("GPU memory", f"{format_value('gpu_gib', gib)} GiB" if is_num(gib) else "—"))
-    facts.append(("Models", ", ".join(map(str, uniq(r.get("model") for r in runs))) or "—"))
-    backends = uniq(r.get("backend") for r in runs)
+    facts.append(("Models", ", ".join(map(str, uniq(r.model for r in runs))) or "—"))
+    backends = uniq(r.backend for r in runs)
     facts.append(("Backends", ", ".join(D.backend_name(b) for b in backends) or "—"))
-    dates = sorted(uniq([*(agg.get("run_dates") or []), *(r.get("started_at") for r in runs)]), key=str)
+    dates = sorted(uniq([*(agg.run_dates or []), *(r.started_at for r in runs)]), key=str)
     if dates:
         facts.append(("Run dates", str(dates[0]) if len(dates) == 1 else f"{dates[0]} … {dates[-1]}"))
     for key, name in (("kvexp_version", "kvexp version"), ("schema_version", "Schema version")):
-        if agg.get(key) is not None:
-            facts.append((name, str(agg[key])))
+        if getattr(agg, key) is not None:
+            facts.append((name, str(getattr(agg, key))))
 
     env_table = None
-    env = agg.get("environment")
+    env = agg.environment
     if isinstance(env, dict) and env:
         env_table = Table(["Key", "Value"], [[str(k), _plain(v)] for k, v in env.items()], kind="kv")
 
     backend_rows = []
     for b in backends:
-        br = [r for r in runs if r.get("backend") == b]
-        versions = ", ".join(map(str, uniq(r.get("backend_version") for r in br)))
+        br = [r for r in runs if r.backend == b]
+        versions = ", ".join(map(str, uniq(r.backend_version for r in br)))
         backend_rows.append([D.backend_name(b), versions or "—", str(len(br))])
     backend_table = Table(["Backend", "Version", "Runs"], backend_rows, [False, False, True])
 
     run_rows = []
-    any_tool = any(r.get("tool") for r in runs)
+    any_tool = any(r.tool for r in runs)
     for r in runs:
-        kv = D.kv_name(r)
-        reused = r.get("reused_server")
+        kv = r.kv
+        reused = r.reused_server
         run_rows.append([
-            str(r.get("label")), tool_name(r) if any_tool else "—", D.backend_name(r.get("backend")),
-            str(r.get("backend_version") or "—"),
-            str(r.get("model") or "—"), D.weights_display(r), str(r.get("scenario") or "—"), kv.display,
+            r.label, tool_name(r) if any_tool else "—", r.backend_name,
+            str(r.backend_version or "—"),
+            str(r.model or "—"), r.weights_text, str(r.scenario or "—"), kv.display,
             _output_length(r),
-            D.run_status(r), str(r.get("started_at") or "—"),
+            r.state, str(r.started_at or "—"),
             "—" if reused is None else ("reused" if reused else "launched"),
         ])
     run_table = drop_empty(Table(["Run", "Measured by", "Backend", "Version", "Model", "Weights", "Scenario", "KV",
@@ -135,19 +126,19 @@ def setup_view(agg: dict) -> dict:
 
     kv_rows = []
     for r in runs:
-        kv = r.get("kv_cache") or {}
-        k, v = kv.get("dtype_k"), kv.get("dtype_v")
-        src = kv.get("source")
-        unconfirmed = not kv.get("dtype") and r.get("kv_requested") and not r.get("tool") and r.get("levels")
+        kv = r.kv_cache
+        k, v = kv.dtype_k, kv.dtype_v
+        src = kv.source
+        unconfirmed = not kv.dtype and r.kv_requested and not r.tool and r.levels
         kv_rows.append([
-            str(r.get("label")), str(r.get("kv_requested") or "—"),
-            "— (not confirmed)" if unconfirmed else format_value("dtype", kv.get("dtype")),
+            r.label, str(r.kv_requested or "—"),
+            "— (not confirmed)" if unconfirmed else format_value("dtype", kv.dtype),
             "—" if not (k or v) else f"{k or '—'} / {v or '—'}",
-            format_value("blocks", kv.get("blocks")), format_value("block_size", kv.get("block_size")),
-            format_value("capacity_tokens", kv_capacity(kv)),
-            format_value("kv_gib", _gib(kv.get("bytes"))),
+            format_value("blocks", kv.blocks), format_value("block_size", kv.block_size),
+            format_value("capacity_tokens", kv.capacity),
+            format_value("kv_gib", _gib(kv.bytes)),
             # a share of GPU memory means nothing on a run without a GPU (vLLM's CPU build still reports one)
-            format_value("gpu_memory_utilization", kv.get("gpu_memory_utilization") if r.get("gpu") else None),
+            format_value("gpu_memory_utilization", kv.gpu_memory_utilization if r.gpu else None),
             _max_concurrency(r),
             ", ".join(map(str, src)) if isinstance(src, list) else format_value("source", src),
         ])
@@ -161,18 +152,18 @@ def setup_view(agg: dict) -> dict:
         if kv_rows else None
 
     scen_rows = []
-    for scen, sruns in D.scenarios(agg):
+    for scen, sruns in agg.scenarios():
         xs: dict[str, set[float]] = {}
         for r in sruns:
-            for lv in r.get("levels") or []:
-                x = level_x(lv)
+            for lv in r.levels:
+                x = lv.x
                 if x:
                     xs.setdefault(x[0], set()).add(x[1])
         levels = "; ".join(f"{D.x_words(k)} {', '.join(format_value(k, x) for x in sorted(v))}"
                            for k, v in sorted(xs.items())) or "—"
-        prompts = ", ".join(format_value("prompt_tokens", p) for p in uniq(r.get("prompt_tokens") for r in sruns))
-        maxes = ", ".join(format_value("max_tokens", p) for p in uniq(r.get("max_tokens") for r in sruns))
-        ran = sum(D.run_status(r) != "skipped" for r in sruns)  # a skipped job is no run
+        prompts = ", ".join(format_value("prompt_tokens", p) for p in uniq(r.prompt_tokens for r in sruns))
+        maxes = ", ".join(format_value("max_tokens", p) for p in uniq(r.max_tokens for r in sruns))
+        ran = sum(r.state != "skipped" for r in sruns)  # a skipped job is no run
         scen_rows.append([scen, prompts or "—", maxes or "—", levels,
                           str(ran) + (f" ({len(sruns) - ran} skipped)" if ran < len(sruns) else "")])
     scen_table = Table(["Scenario", "Prompt tokens", "Max tokens", "Levels", "Runs"], scen_rows,
@@ -180,27 +171,27 @@ def setup_view(agg: dict) -> dict:
 
     launches = []
     for r in runs:
-        cmd = r.get("launch_command")
+        cmd = r.launch_command
         if cmd:
             text = shlex.join(map(str, cmd)) if isinstance(cmd, list) else str(cmd)
-            launches.append({"label": str(r.get("label")), "command": text,
-                             "reused": bool(r.get("reused_server"))})
+            launches.append({"label": r.label, "command": text,
+                             "reused": bool(r.reused_server)})
     return {"facts": facts, "environment": env_table, "backends": backend_table, "runs": run_table,
             "foreign": foreign_view(runs),
             "kv": kv_table, "kv_unreported": kv_unreported, "scenarios": scen_table, "launches": launches,
-            "kv_label_note": any(D.kv_name(r).source == "label" for r in runs)}
+            "kv_label_note": any(r.kv.source == "label" for r in runs)}
 
 
-def foreign_view(runs: list[dict]) -> list[dict]:
+def foreign_view(runs: list[Run]) -> list[dict]:
     """Per tool: its runs, their files, what it does not record and how its definitions differ."""
     out: dict[str, dict] = {}
     for r in runs:
-        if not r.get("tool"):
+        if not r.tool:
             continue
-        t = out.setdefault(str(r["tool"]), {"tool": str(r["tool"]), "rows": [], "notes": [], "not_recorded": []})
-        t["rows"].append([str(r.get("label")), tool_name(r), str(r.get("source") or "—")])
-        t["notes"] += [n for n in r.get("tool_notes") or [] if n not in t["notes"]]
-        t["not_recorded"] += [k for k in r.get("not_recorded") or [] if k not in t["not_recorded"]]
+        t = out.setdefault(str(r.tool), {"tool": str(r.tool), "rows": [], "notes": [], "not_recorded": []})
+        t["rows"].append([r.label, tool_name(r), str(r.source or "—")])
+        t["notes"] += [n for n in r.tool_notes or [] if n not in t["notes"]]
+        t["not_recorded"] += [k for k in r.not_recorded or [] if k not in t["not_recorded"]]
     for t in out.values():
         t["table"] = Table(["Run", "Tool", "Files"], t.pop("rows"), kind="wide")
         t["not_recorded"] = ", ".join(t["not_recorded"])
@@ -208,13 +199,12 @@ def foreign_view(runs: list[dict]) -> list[dict]:
 
 
 
-def _max_concurrency(run: dict) -> str:
+def _max_concurrency(run: Run) -> str:
     """One figure for a run's max concurrency: the planner's (requests of this scenario's size before
     preemption, as findings quote it), with the server's own beside it where it differs and why (vLLM
     sizes its figure for requests of its full context)."""
-    kv = run.get("kv_cache") or {}
-    plan = run.get("planner") if isinstance(run.get("planner"), dict) else {}
-    ours, theirs = plan.get("max_concurrency_before_preemption"), kv.get("max_concurrency")
+    plan = run.planner if isinstance(run.planner, dict) else {}
+    ours, theirs = plan.get("max_concurrency_before_preemption"), run.kv_cache.max_concurrency
     if not is_num(ours):
         return format_value("max_concurrency", theirs)
     text = format_value("max_concurrency", ours)

@@ -15,16 +15,18 @@ from jinja2 import Environment
 
 from kvexp import backends
 from kvexp.analysis.aggregate import collect, run_of
-from kvexp.analysis.documents import run_status, scenarios
-from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
-from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
+from kvexp.analysis.recommend import capacity, peak_level, slo_outcome
+from kvexp.analysis.verdict import short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
+from kvexp.metrics.levels import Level
 from kvexp.metrics.stats import UNSTABLE_CV
 from kvexp.planning import prediction, whatif
 from kvexp.report import pdf
 from kvexp.report.tables import Table, header, numeric, text_table
 from kvexp.report.templating import environment
+from kvexp.results.documents import JobResult
+from kvexp.results.runs import Aggregate
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
 # The level tables' columns, registry keys: what a reader decides from (every other figure is in
@@ -38,44 +40,44 @@ REPEAT_COLUMNS = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms
 LEVEL_HEADER = "Level"  # the repeats table's first column: a level's concurrency or rate (not a metric)
 
 
-def columns_for(levels: list[dict[str, Any]]) -> list[str]:
+def columns_for(levels: list[Level]) -> list[str]:
     """COLUMNS, then the optional ones some level has (repeat: only when a level was repeated)."""
-    extra = [k for k in OPTIONAL_COLUMNS if any((lv.get(k) or 0) > 0 if k == "repeat"
-                                                else registry.level_value(lv, k) is not None for lv in levels)]
+    extra = [k for k in OPTIONAL_COLUMNS if any((lv.repeat or 0) > 0 if k == "repeat"
+                                                else lv.value(k) is not None for lv in levels)]
     return [COLUMNS[0], *(k for k in extra if k == "repeat"), *COLUMNS[1:], *(k for k in extra if k != "repeat")]
 
 
-def level_name(level: dict[str, Any]) -> str:
+def level_name(level: Level) -> str:
     """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
-    if level.get("concurrency") is None and level.get("rate") is not None:
-        achieved = level.get("achieved_rate")
-        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
-    return registry.format_value("concurrency", level.get("concurrency"))
+    if level.concurrency is None and level.rate is not None:
+        achieved = level.achieved_rate
+        return f"{level.rate:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    return registry.format_value("concurrency", level.concurrency)
 
 
-def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
+def cell(level: Level, key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
     """One level figure (registry.format_value); a null one by registry.missing_text: `failed` when the
     level or its run failed, `exposed` when another level of the run has the figure."""
     if key == "concurrency":
         return level_name(level)
-    v = registry.level_value(level, key)
+    v = level.value(key)
     if key == "repeat" and isinstance(v, int):
         return str(v + 1)
     return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=foreign)
 
 
-def levels_table(levels: list[dict[str, Any]], status: Optional[str], foreign: bool = False) -> Table:
+def levels_table(levels: list[Level], status: Optional[str], foreign: bool = False) -> Table:
     """A run's levels, one row each, in the columns of columns_for; `status` is the run's."""
     keys = columns_for(levels)
-    exposed = {k: any(registry.is_num(registry.level_value(lv, k)) for lv in levels) for k in keys}
-    rows = [[cell(lv, k, failed=status in ("failed", "skipped") or lv.get("status") == "failed",
+    exposed = {k: any(registry.is_num(lv.value(k)) for lv in levels) for k in keys}
+    rows = [[cell(lv, k, failed=status in ("failed", "skipped") or lv.failed,
                   exposed=exposed[k], foreign=foreign) for k in keys] for lv in levels]
     return Table([header(k) for k in keys], rows, [numeric(k) for k in keys])
 
 
-def repeat_cell(level: dict[str, Any], key: str) -> str:
+def repeat_cell(level: Level, key: str) -> str:
     """A figure over a level's repeats: mean ± 95 % CI (CV), flagged when unstable."""
-    r = (level.get("repeats") or {}).get(key)
+    r = (level.repeats or {}).get(key)
     if not isinstance(r, dict) or r.get("mean") is None:
         return registry.UNKNOWN
     text = f"{r['mean']:.4g}"
@@ -88,21 +90,21 @@ def repeat_cell(level: dict[str, Any], key: str) -> str:
     return text
 
 
-def repeats_table(levels: list[dict[str, Any]]) -> Optional[Table]:
+def repeats_table(levels: list[Level]) -> Optional[Table]:
     """The levels measured more than once: REPEAT_COLUMNS over their repeats and how many; None if none."""
     rows = [[level_name(lv), *(repeat_cell(lv, k) for k in REPEAT_COLUMNS),
-             registry.format_value("repeats", (lv["repeats"].get("throughput_tok_s") or {}).get("n"))]
-            for lv in levels if lv.get("repeats")]
+             registry.format_value("repeats", (lv.repeats.get("throughput_tok_s") or {}).get("n"))]
+            for lv in levels if lv.repeats]
     if not rows:
         return None
     return Table([LEVEL_HEADER, *(header(k) for k in REPEAT_COLUMNS), header("repeats")], rows,
                  [True] * (len(REPEAT_COLUMNS) + 2))
 
 
-def run_tables(aggregate: dict[str, Any]) -> list[dict[str, Any]]:
+def run_tables(aggregate: Aggregate) -> list[dict[str, Any]]:
     """Per run of an aggregate that has levels: its label, level table and repeats table."""
-    return [{"label": run.get("label"), "levels": levels_table(run["levels"], run_status(run), bool(run.get("tool"))),
-             "repeats": repeats_table(run["levels"])} for run in aggregate.get("runs") or [] if run.get("levels")]
+    return [{"label": run.label, "levels": levels_table(run.levels, run.state, bool(run.tool)),
+             "repeats": repeats_table(run.levels)} for run in aggregate.runs if run.levels]
 
 
 def _env() -> Environment:
@@ -111,21 +113,21 @@ def _env() -> Environment:
                        globals={"unstable_cv": UNSTABLE_CV})
 
 
-def render_job_summary(result: dict[str, Any]) -> str:
-    levels = result["levels"]
+def render_job_summary(result: JobResult) -> str:
+    levels = result.levels
     run = run_of(result)  # a job with a latency objective: its verdict in the words the terminal and report use
-    said = [v.sentence for v in verdicts({"runs": [run]})] if slo_of(run) is not None and levels else []
-    return _env().get_template("summary.md.j2").render(r=result, levels=levels_table(levels, result.get("status")),
+    said = [v.sentence for v in verdicts(Aggregate(runs=[run]))] if run.objectives is not None and levels else []
+    return _env().get_template("summary.md.j2").render(r=result, levels=levels_table(levels, result.status),
                                                         repeats=repeats_table(levels), verdicts=said)
 
 
-def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:
+def write_job_summary(result: JobResult, out_dir: Path) -> Path:
     path = out_dir / "summary.md"
     path.write_text(render_job_summary(result))
     return path
 
 
-def job_results(sweep_dir: Path) -> list[dict[str, Any]]:
+def job_results(sweep_dir: Path) -> list[JobResult]:
     out = []
     for path in sorted(sweep_dir.rglob(RESULT_FILE)):
         try:
@@ -133,7 +135,7 @@ def job_results(sweep_dir: Path) -> list[dict[str, Any]]:
         except ResultError:
             continue
         if kind == "result":
-            out.append(doc)
+            out.append(JobResult.from_json(doc))
     return out
 
 
@@ -144,14 +146,14 @@ def _when(stamp: Optional[str]) -> Optional[datetime]:
         return None
 
 
-def _server_key(result: dict[str, Any]) -> Optional[tuple]:
-    cmd = result["backend"].get("launch_command")
+def _server_key(result: JobResult) -> Optional[tuple]:
+    cmd = result.backend.launch_command
     if not cmd:
         return None
     return tuple("<port>" if i and cmd[i - 1] == "--port" else a for i, a in enumerate(cmd))
 
 
-def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = None,
+def sweep_timing(results: Iterable[JobResult], wall_s: Optional[float] = None,
                  since: Optional[datetime] = None) -> dict[str, Any]:
     """Where a sweep's time went, from the jobs' own timing (server_start_s, warmup_s, measure_s,
     total_s): server starts (and for how many distinct server configurations), warm-up, measurement,
@@ -159,19 +161,19 @@ def sweep_timing(results: Iterable[dict[str, Any]], wall_s: Optional[float] = No
     time when known; otherwise it is taken from the jobs' start and finish stamps (whole seconds).
     since (UTC, naive): when this run of the sweep began; a resumed sweep's jobs that finished before
     it were not run now, and are counted apart (earlier_jobs), not as time spent in this wall time."""
-    ran = [r for r in results if r.get("status") != "skipped"]
+    ran = [r for r in results if r.status != "skipped"]
     earlier = []
     if since is not None:
-        earlier = [r for r in ran if (w := _when(r.get("finished_at"))) and w < since.replace(microsecond=0)]
-        ran = [r for r in ran if r not in earlier]
-    t = [r.get("timing") or {} for r in ran]
+        earlier = [r for r in ran if (w := _when(r.finished_at)) and w < since.replace(microsecond=0)]
+        ran = [r for r in ran if all(r is not e for e in earlier)]
+    t = [r.timing or {} for r in ran]
     starts = [x.get("server_start_s") for x in t if x.get("server_start_s")]
     configs = {k for r in ran if (k := _server_key(r)) is not None}
     total = {k: sum(x.get(k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
     slack = 0.0
     if wall_s is None:  # from stamps in whole seconds: allow for their rounding
-        begun = [w for r in ran if (w := _when(r.get("started_at")))]
-        ended = [w for r in ran if (w := _when(r.get("finished_at")))]
+        begun = [w for r in ran if (w := _when(r.started_at))]
+        ended = [w for r in ran if (w := _when(r.finished_at))]
         wall_s = (max(ended) - min(begun)).total_seconds() if begun and ended else None
         slack = 2.0
     jobs_s = total["total_s"]
@@ -212,8 +214,8 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
         if not (d / ".hydra").is_dir() and not (d / RESULT_FILE).is_file():
             continue
         try:
-            _, doc = load_document(d / RESULT_FILE)
-            out[doc.get("label") or d.name] = doc.get("status") or "missing"
+            job = JobResult.from_json(load_document(d / RESULT_FILE)[1])
+            out[job.label or d.name] = job.status or "missing"
         except ResultError:
             out[re.sub(r"^\d+_", "", d.name)] = "missing"  # Hydra's <job number>_<label> folder
     return out
@@ -225,7 +227,7 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
     agg = collect([sweep_dir])
     written = []
     path = sweep_dir / "sweep.json"
-    write_json(path, agg, "aggregate")
+    write_json(path, agg.to_json(), "aggregate")
     written.append(path)
     path = sweep_dir / "summary.md"
     timing = sweep_timing(job_results(sweep_dir), wall_s, since)
@@ -237,7 +239,12 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
     return written
 
 
-def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
+def sweep_aggregate(sweep_dir: Path) -> Aggregate:
+    """The aggregate a sweep wrote (sweep.json), read and checked as every command reads it."""
+    return Aggregate.from_json(load_document(sweep_dir / "sweep.json")[1])
+
+
+def write_job_report(job_dir: Path) -> tuple[Aggregate, list[Path]]:
     """A single run's report (the sweep's, over one job) in job_dir/report; (its aggregate, the files)."""
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
@@ -256,26 +263,26 @@ def report_is_current(folder: Path, multirun: bool) -> bool:
     return all(p.is_file() and p.stat().st_mtime >= newest for p in report)
 
 
-def end_of_run_text(agg: dict[str, Any]) -> str:
+def end_of_run_text(agg: Aggregate) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
     lines = [f"verdict: {v.sentence}" for v in verdicts(agg)] or ["verdict: no job measured comparable levels"]
-    runs = list(agg.get("runs") or [])
+    runs = agg.runs
     names: dict[str, str] = {}
-    for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
+    for _, scenario_runs in agg.scenarios():  # named within their scenario, where the verdicts name them
         names.update(short_names(scenario_runs))
     rows = []
-    slos = any(slo_of(r) for r in runs)
+    slos = any(r.objectives for r in runs)
     for r in runs:
         peak = peak_level(r)
-        bpt = bytes_per_token(r)
-        slo = slo_of(r)
-        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if run_status(r) != "skipped" else "—"]
+        bpt = r.bytes_per_token
+        slo = r.objectives
+        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if r.state != "skipped" else "—"]
                    if slos else [])
         figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
                    + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
                    if peak else [registry.UNKNOWN] * 4)
-        rows.append([str(r.get("label")), names[str(r.get("label"))], run_status(r), *figures,
+        rows.append([r.label, names[r.label], r.state, *figures,
                      registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
     head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
     head += ["SLO"] if slos else []

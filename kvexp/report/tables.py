@@ -9,14 +9,15 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
-from kvexp.analysis import documents as D, flags as FL
+from kvexp.analysis import flags as FL
 from kvexp.analysis.card import kv_cards
-from kvexp.metrics.levels import level_x
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
+from kvexp.metrics.levels import Level
 from kvexp.report.markdown import md_escape
+from kvexp.results.runs import Aggregate, Run
 
 
 @dataclass
@@ -121,19 +122,19 @@ ALWAYS = frozenset({"concurrency", "requests", "errors", "throughput_tok_s", "tt
 _REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}  # read from the level's repeat summary
 
 
-def level_cell(run: dict, level: dict, key: str) -> str:
+def level_cell(run: Run, level: Level, key: str) -> str:
     """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
     repeat = key in _REPEAT_KEYS
-    failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
-    return registry.level_text(level, key, failed=failed, exposed=D.exposes(run, key), foreign=bool(run.get("tool")),
+    failed = level.failed or run.state in ("failed", "skipped")
+    return registry.level_text(level, key, failed=failed, exposed=run.exposes(key), foreign=bool(run.tool),
                                value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
 
 
-def tool_name(run: dict) -> str:
+def tool_name(run: Run) -> str:
     """Which tool measured a run: kvexp, or the other benchmark tool (with its version) whose file it came from."""
-    if not run.get("tool"):
+    if not run.tool:
         return "kvexp"
-    return f"{run['tool']} {run['tool_version']}" if run.get("tool_version") else str(run["tool"])
+    return f"{run.tool} {run.tool_version}" if run.tool_version else str(run.tool)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,10 +145,11 @@ CSV_RUN_COLUMNS = ("label", "tool", "backend", "model", "scenario", "kv_dtype", 
 NESTED_LEVEL_BLOCKS = ("server", "delivery", "prefix_cache", "machine")  # a level's blocks whose figures get a column each
 
 
-def _flat_keys(level: dict) -> list[str]:
-    """A level's keys, with the figures of its NESTED_LEVEL_BLOCKS as dotted keys."""
+def _flat_keys(level: Level) -> list[str]:
+    """A level's keys (those its document holds), with the figures of its NESTED_LEVEL_BLOCKS as dotted keys."""
     out = []
-    for k, v in level.items():
+    for k in level.keys():
+        v = level.value(k)
         if k in NESTED_LEVEL_BLOCKS and isinstance(v, dict):
             out += [f"{k}.{inner}" for inner in v]
         else:
@@ -155,26 +157,34 @@ def _flat_keys(level: dict) -> list[str]:
     return out
 
 
-def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
+def _recorded(level: Level, keys: set[str], key: str) -> Any:
+    """A level's figure by registry key as its document holds it (None where it does not)."""
+    if key.partition(".")[0] not in keys:
+        return None
+    return [w.to_json() for w in level.warnings] if key == "warnings" else level.value(key)
+
+
+def level_table(aggregate: Aggregate) -> tuple[list[str], list[list[Any]]]:
     """comparison.csv as values: its column names and one row per run and level (None where missing).
     The level columns are the registry's keys in its order (those some level has, and ALWAYS), then
     any key the levels carry that the registry does not describe, sorted. A `tool` column (kvexp or the
     benchmark tool that measured the run) is there when a run came from another tool's file."""
-    runs = list(aggregate.get("runs") or [])
-    present = {k for r in runs for lv in r.get("levels") or [] for k in _flat_keys(lv)}
+    runs = aggregate.runs
+    present = {k for r in runs for lv in r.levels for k in _flat_keys(lv)}
     level_keys = [k for k in registry.METRICS if k in present or k in ALWAYS] + sorted(present - set(registry.METRICS))
-    tools = any(r.get("tool") for r in runs)
-    cards = aggregate.get("kv_cards") if isinstance(aggregate.get("kv_cards"), list) else kv_cards(aggregate)
+    tools = any(r.tool for r in runs)
+    cards = aggregate.kv_cards if isinstance(aggregate.kv_cards, list) else kv_cards(aggregate)
     card = {row["label"]: row for c in cards for row in c["rows"]}
     head = [c for c in CSV_RUN_COLUMNS if c != "tool" or tools] + level_keys + (list(CARD_COLUMNS) if card else [])
     rows = []
     for r in runs:
-        kv = D.kv_name(r)
-        base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
-                r.get("scenario"), kv.name, kv.source, D.run_status(r)]
-        for lv in r.get("levels") or [{}]:
-            rows.append(base + [registry.level_value(lv, k) for k in level_keys]
-                        + (_card_cells(card.get(str(r.get("label"))), lv) if card else []))
+        kv = r.kv
+        base = [r.label, *([tool_name(r)] if tools else []), r.backend, r.model,
+                r.scenario, kv.name, kv.source, r.state]
+        for lv in r.levels or [None]:
+            keys = set(lv.keys()) if lv is not None else set()
+            rows.append(base + [_recorded(lv, keys, k) if lv is not None else None for k in level_keys]
+                        + (_card_cells(card.get(r.label), lv) if card else []))
     return head, rows
 
 
@@ -185,10 +195,10 @@ CARD_COLUMNS = ("card_kv_bytes_per_token", "card_kv_window_bytes_per_sequence", 
                 "card_delta_ppl", "card_rotation")
 
 
-def _card_cells(row: Any, level: dict) -> list[Any]:
+def _card_cells(row: Any, level: Optional[Level]) -> list[Any]:
     if not row:
         return [None] * len(CARD_COLUMNS)
-    x = level_x(level)
+    x = level.x if level is not None else None
 
     def at(key: str) -> tuple[Any, Any]:
         c = next((c for c in row[key] if x and (c["kind"], c["x"]) == x), None)
@@ -199,7 +209,7 @@ def _card_cells(row: Any, level: dict) -> list[Any]:
             row["delta_ppl"], row["rotation"]]
 
 
-def csv_text(aggregate: dict) -> str:
+def csv_text(aggregate: Aggregate) -> str:
     """comparison.csv's text: level_table with empty cells for missing values; warnings as their codes
     ("few_requests; bursts"), a flat mapping as "key=value; ...", anything deeper as JSON."""
     head, rows = level_table(aggregate)
@@ -233,6 +243,6 @@ def csv_text(aggregate: dict) -> str:
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")  # a text cell starting so is a formula to a spreadsheet
 
 
-def write_csv(aggregate: dict, path: Path) -> Path:
+def write_csv(aggregate: Aggregate, path: Path) -> Path:
     """One row per run and level; runs without levels get one row with empty level columns."""
     return atomic_write(path, csv_text(aggregate))

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
+from kvexp.results.documents import KVCache, read_levels
+from kvexp.results.runs import Run
+
 VLLM, GUIDELLM, AIPERF = "vllm-bench", "guidellm", "aiperf"
 TOOL_NAMES = {VLLM: "vLLM bench serve", GUIDELLM: "GuideLLM", AIPERF: "AIPerf"}
 EXPECTED = ("expected a kvexp result.json or aggregate (sweep.json, comparison.json), a vLLM `bench serve "
@@ -480,7 +483,7 @@ def levels_of(doc: Any, source: str) -> list[ForeignLevel]:
     raise ForeignFormatError(EXPECTED)
 
 
-def runs_of(levels: list[ForeignLevel]) -> list[dict[str, Any]]:
+def runs_of(levels: list[ForeignLevel]) -> list[Run]:
     """Levels grouped into runs of the aggregate shape (one run per tool and group), levels ordered by
     concurrency or rate; two levels at the same value become repeats 0, 1, ... in time order."""
     groups: dict[tuple[Any, ...], list[ForeignLevel]] = {}
@@ -502,7 +505,7 @@ def runs_of(levels: list[ForeignLevel]) -> list[dict[str, Any]]:
     return runs
 
 
-def _run(members: list[ForeignLevel], levels: list[dict]) -> dict[str, Any]:
+def _run(members: list[ForeignLevel], levels: list[dict]) -> Run:
     first = members[0]
     prompts = [lv["mean_prompt_tokens"] for lv in levels if _num(lv.get("mean_prompt_tokens")) is not None]
     outputs = [lv["mean_output_tokens"] for lv in levels if _num(lv.get("mean_output_tokens")) is not None]
@@ -519,41 +522,25 @@ def _run(members: list[ForeignLevel], levels: list[dict]) -> dict[str, Any]:
     sources = list(dict.fromkeys(m.source for m in members))
     failed = all(lv.get("status") == "failed" for lv in levels)
     partial = any(lv.get("status") == "failed" for lv in levels)
-    tool = TOOL_NAMES[first.tool]
-    return {
-        "label": f"{first.tool}: {first.label if first.label != first.tool else first.model}",
-        "backend": "unknown",
-        "model": first.model,
-        "scenario": f"prompt {prompt}, output {out}",
-        "prompt_tokens": prompt,
-        "max_tokens": out,
-        "started_at": dates[0] if dates else None,
-        "gpu": None,
-        "gpu_gib": None,
-        "kv_cache": {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None},
-        "levels": levels,
-        "status": "failed" if failed else "partial" if partial else "complete",
-        "status_reason": "a level had no successful request" if partial else None,
-        "backend_version": None,
-        "launch_command": None,
-        "kv_requested": None,
-        "planner": None,
-        "source": ", ".join(sources),
-        "tool": tool,
-        "tool_version": first.version,
-        "tool_notes": [*first.notes, *_COMMON_NOTES],
-        "not_recorded": not_recorded,
-    }
+    return Run(
+        label=f"{first.tool}: {first.label if first.label != first.tool else first.model}",
+        backend="unknown", model=first.model, scenario=f"prompt {prompt}, output {out}", prompt_tokens=prompt,
+        max_tokens=out, started_at=dates[0] if dates else None,
+        kv_cache=KVCache(present=frozenset(KVCache.REQUIRED)), levels=read_levels(levels),
+        status="failed" if failed else "partial" if partial else "complete",
+        status_reason="a level had no successful request" if partial else None,
+        source=", ".join(sources), tool=TOOL_NAMES[first.tool], tool_version=first.version,
+        tool_notes=[*first.notes, *_COMMON_NOTES], not_recorded=not_recorded)
 
 
-def join_scenarios(foreign_runs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def join_scenarios(foreign_runs: list[Run], runs: list[Run]) -> list[Run]:
     """Each foreign run takes the scenario name of the first of `runs` (kvexp's own) with the same prompt
     and output length, so that the report puts them in one table and one chart; the others keep the
     name made from their lengths. Returns `foreign_runs`, changed in place."""
     names: dict[tuple[Any, Any], str] = {}
     for r in runs:
-        if not r.get("tool"):
-            names.setdefault((r.get("prompt_tokens"), r.get("max_tokens")), str(r.get("scenario")))
+        if not r.tool:
+            names.setdefault((r.prompt_tokens, r.max_tokens), str(r.scenario))
     for r in foreign_runs:
-        r["scenario"] = names.get((r["prompt_tokens"], r["max_tokens"]), r["scenario"])
+        r.scenario = names.get((r.prompt_tokens, r.max_tokens), r.scenario)
     return foreign_runs

@@ -351,7 +351,7 @@ def foreign_errors(doc: Any, source: str, whole_mapping: bool = True) -> list[st
         if whole_mapping:
             return [str(e)]
         return [m for i, lv in enumerate(levels) for m in guards.level_errors(("levels", i), lv.level)]
-    return read_errors({"gpu": None, "gpu_gib": None, "runs": runs}, "aggregate")
+    return read_errors({"gpu": None, "gpu_gib": None, "runs": [r.to_json() for r in runs]}, "aggregate")
 
 
 def _check_jsonl(path: Path) -> list[str]:
