@@ -53,9 +53,11 @@ class LevelWarning:
     code: str  # one of WARNING_CODES
     text: str
     values: dict[str, Any] = field(default_factory=dict)
+    plain: bool = field(default=False, compare=False)  # read from a schema_version 1 file: its text alone
 
-    def to_json(self) -> dict[str, Any]:
-        return {"code": self.code, "text": self.text, "values": dict(self.values)}
+    def to_json(self) -> Any:
+        """{code, text, values}; a warning read as plain text (schema_version 1) is written back as it was."""
+        return self.text if self.plain else {"code": self.code, "text": self.text, "values": dict(self.values)}
 
 
 @dataclass(slots=True)
@@ -134,7 +136,8 @@ class Level:
         kw: dict[str, Any] = {n: d.get(n) for n in _LEVEL_KEYS if n != "warnings"}
         kw["warnings"] = [LevelWarning(str(w.get("code") or "warn"), str(w.get("text", "")),
                                        dict(w.get("values") or {}))
-                          if isinstance(w, dict) else LevelWarning("warn", str(w)) for w in d.get("warnings") or []]
+                          if isinstance(w, dict) else LevelWarning("warn", str(w), plain=True)
+                          for w in d.get("warnings") or []]
         return cls(**kw, present=frozenset(k for k in d if k in _LEVEL_KEY_SET))
 
     def to_json(self) -> dict[str, Any]:
