@@ -142,7 +142,7 @@ def test_what_a_person_reads_is_prose_with_the_verdict_first(sweep):
     assert ("tie" in verdict) != ("leads" in verdict)  # either a tie or a measurable lead, never both
     # the KV bytes per token the verdict weighs (the server's KV size over its cells) is the planner's,
     # computed from the model's architecture and the dtype's block size
-    from kvexp.analysis.verdict import bytes_per_token
+    from kvexp.results.runs import Run
 
     for run in json.loads((sweep_dir / "sweep.json").read_text())["runs"]:
-        assert bytes_per_token(run) == run["planner"]["kv_bytes_per_token"], run["label"]
+        assert Run.from_json(run).bytes_per_token == run["planner"]["kv_bytes_per_token"], run["label"]
