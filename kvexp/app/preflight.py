@@ -23,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
 from kvexp.core.config import ConfigError, ExperimentConfig, job_label
+from kvexp.results.documents import JobResult
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, spec_hash
 from kvexp.results.validate import request_log_problem
 
@@ -128,21 +129,21 @@ def existing_results(folder: Path, multirun: bool) -> list[tuple[Path, str, Opti
         if not p.is_file():
             continue
         try:
-            _, doc = load_document(p)
+            job = JobResult.from_json(load_document(p)[1])
         except ResultError:
             out.append((p, p.parent.name, None))
             continue
-        out.append((p, str(doc.get("label") or p.parent.name), doc.get("config_hash")))
+        out.append((p, str(job.label or p.parent.name), job.config_hash))
     return out
 
 
-def is_finished(doc: dict[str, Any], cfg: ExperimentConfig) -> bool:
+def is_finished(job: JobResult, cfg: ExperimentConfig) -> bool:
     """Whether a job's result leaves a resume nothing to do: complete or skipped, of this spec, with no
     quality measurement still to make."""
     from kvexp.quality.measure import missing  # the quality stack is loaded only for a resume
 
-    return (doc.get("config_hash") == spec_hash(cfg) and doc.get("status") in ("complete", "skipped")
-            and not missing(cfg, doc))
+    return (job.config_hash == spec_hash(cfg) and job.status in ("complete", "skipped")
+            and not missing(cfg, job.quality))
 
 
 def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) -> Optional[str]:
@@ -159,12 +160,12 @@ def finished_jobs(folder: Path, multirun: bool, cfgs: list[ExperimentConfig]) ->
         if path is None:
             return None
         try:
-            _, doc = load_document(path)
+            job = JobResult.from_json(load_document(path)[1])
         except ResultError:
             return None
-        if not is_finished(doc, cfg):
+        if not is_finished(job, cfg):
             return None
-        counts[doc["status"]] = counts.get(doc["status"], 0) + 1
+        counts[str(job.status)] = counts.get(str(job.status), 0) + 1
     what = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     return (f"its {len(cfgs)} jobs are finished ({what})" if multirun else f"its job is finished ({what})")
 

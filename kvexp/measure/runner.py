@@ -139,7 +139,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend))
-    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result):
+    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result.get("quality")):
         return job.result
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
@@ -206,7 +206,7 @@ def _resume(job: Job) -> bool:
     prev = previous_result(job.result_path, res["config_hash"])
     job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
     if prev and all(len(job.kept.get(v, [])) == job.cfg.scenario.repeats for _, v in job.plan):
-        if prev["status"] != "complete" and not quality.missing(job.cfg, prev):  # stopped after its last level
+        if prev["status"] != "complete" and not quality.missing(job.cfg, prev.get("quality")):  # after its last level
             prev.update(status="complete", status_reason=None)
             write_json(job.result_path, prev, "result")
         job.result = prev

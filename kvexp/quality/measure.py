@@ -38,9 +38,9 @@ def wanted(cfg: ExperimentConfig) -> bool:
     return cfg.quality.enabled or cfg.scenario.kind == "quality"
 
 
-def missing(cfg: ExperimentConfig, result: dict[str, Any]) -> bool:
-    """A job that wants quality but whose result has no quality block yet (e.g. interrupted in it)."""
-    return wanted(cfg) and not isinstance(result.get("quality"), dict)
+def missing(cfg: ExperimentConfig, block: Any) -> bool:
+    """A job that wants quality but whose result has no quality block (`block`) yet (e.g. interrupted in it)."""
+    return wanted(cfg) and not isinstance(block, dict)
 
 
 def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: Path) -> dict[str, Any]:
