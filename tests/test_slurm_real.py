@@ -289,6 +289,9 @@ def test_a_partition_that_does_not_exist_is_one_line(cluster, llama_server, tmp_
                                             "Batch job submission failed: Invalid partition name specified")
     assert "Traceback" not in err and err.count("sbatch:") == 1, err[-3000:]
     assert not cluster.jobs()
+    # nothing was submitted, so nothing is left behind: no sweep folder holding only Hydra's and submitit's files
+    sweeps = tmp_path / "outputs" / "sweeps"
+    assert not sweeps.is_dir() or not list(sweeps.iterdir()), list(sweeps.rglob("*"))
 
 
 # a job that measures for ten minutes, in a sweep whose jobs may run one minute (Slurm's shortest limit)
