@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import missing
+from conftest import missing, ROOT
 
 from kvexp.assets import embedded
 from kvexp.capacity import gguffile
@@ -36,7 +36,6 @@ from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 from kvexp.results.validate import check_file
 
-ROOT = Path(__file__).resolve().parent.parent
 SMOL = ["model=smollm2"]
 
 

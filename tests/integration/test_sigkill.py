@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import survivors
-from test_interrupts import Kvexp
+from unit.app.test_interrupts import Kvexp
 
 from kvexp.core.paths import cache_dir
 

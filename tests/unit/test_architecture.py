@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-PKG = Path(__file__).resolve().parent.parent / "kvexp"
+PKG = ROOT / "kvexp"
 
 # Top to bottom. A package may import its own modules and any package of a lower row; packages on
 # one row are independent of each other (neither imports the other).

@@ -3,11 +3,11 @@ without being imported, which turns the error it reports into a NameError."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pyflakes import api, messages, reporter
 
-PKG = Path(__file__).resolve().parent.parent / "kvexp"
+from conftest import ROOT
+
+PKG = ROOT / "kvexp"
 
 
 class _Collect(reporter.Reporter):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from kvexp.app import cli, installer
 from kvexp.core.config import ConfigError
@@ -17,7 +17,6 @@ from kvexp.workload.files import DataError
 from kvexp.app.compose import (backend_only_keys, check, compose_all, hydra_argv, kv_choices, refuse_repeats,
                                refuse_unread)
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 FIRST_SCREEN = "\n".join(README.splitlines()[:60])
 

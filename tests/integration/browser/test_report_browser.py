@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 from PIL import Image
 
 from kvexp.report.summary import write_sweep_outputs
@@ -31,7 +32,7 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LAUNCH_TIMEOUT_MS = 60_000
 VIEWPORT = {"width": 1280, "height": 900}
-FIXTURE_RESULT = Path(__file__).parent / "fixtures" / "foreign" / "kvexp" / "result.json"
+FIXTURE_RESULT = FIXTURES / "foreign" / "kvexp" / "result.json"
 # (KV asked, as the server names it, bytes per element, throughput factor, mean KLD from fp16)
 KV_DTYPES = (("fp16", "auto", 2.0, 1.0, 0.0), ("fp8", "fp8", 1.0, 1.3, 0.004))
 # The charts two KV dtypes with a quality measurement must produce.

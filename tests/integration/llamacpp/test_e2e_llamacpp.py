@@ -132,7 +132,7 @@ def test_missing_llama_server_says_how_to_get_it(tmp_path):
 def test_what_a_person_reads_is_prose_with_the_verdict_first(sweep):
     """Every Markdown, HTML, CSV and PDF page the real sweep rendered: no Python repr, no None or nan, no
     nearly empty page, the verdict before the findings; the verdict names the noise it held the jobs to."""
-    from test_verdict import check_readable
+    from unit.analysis.test_verdict import check_readable
 
     sweep_dir, *_ = sweep
     check_readable(sweep_dir)

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import with_tiny
+from conftest import with_tiny, ROOT
 
 from kvexp.results.store import load_document
 from kvexp.results.validate import check_file
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Run:

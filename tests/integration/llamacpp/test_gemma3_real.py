@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import missing
+from conftest import missing, ROOT
 
 from kvexp.app.compose import compose
 from kvexp.assets import embedded
@@ -120,7 +120,7 @@ def test_gemma3_q4_0_drift_equals_llama_perplexity_run_by_hand(llama_server, gem
                "quality.depths=[512]", "quality.prompts=1")
     (d,) = res["quality"]["teacher_forced"]["depths"]
     ppl = find_llama_perplexity(llama_server)
-    text = Path(__file__).resolve().parents[1] / "kvexp" / "assets" / "evaltext.txt"
+    text = ROOT / "kvexp" / "assets" / "evaltext.txt"
     base = tmp_path / "hand.kld"
     threads = str(max(1, (os.cpu_count() or 2) - 1))
     same = ["-m", str(gemma3), "-f", str(text), "-c", "512", "--chunks", "4", "-fa", "on", "-t", threads]

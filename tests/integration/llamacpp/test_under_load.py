@@ -10,10 +10,9 @@ import sys
 import time
 
 import pytest
-import test_loadgen
-import test_openloop
-from test_faults_server import hung_server_ends_its_level
-from test_truth_llamacpp import open_loop_is_not_throttled
+from integration.llamacpp.test_faults_server import hung_server_ends_its_level
+from integration.llamacpp.test_truth_llamacpp import open_loop_is_not_throttled
+from unit.measure import test_loadgen, test_loadgen_waits
 
 
 @pytest.mark.under_load
@@ -24,7 +23,7 @@ def test_timing_checks_hold_beside_a_busy_core(llama_server, tmp_path, loop_lags
         t = time.monotonic()
         open_loop_is_not_throttled(llama_server, tmp_path / "open", loop_lags)
         test_loadgen.test_max_start_rate_caps_request_starts()
-        test_openloop.test_overlapping_waits_yield_far_less_than_without_the_share(monkeypatch)
+        test_loadgen_waits.test_overlapping_waits_yield_far_less_than_without_the_share(monkeypatch)
         hung_server_ends_its_level(tmp_path / "hung", workers=1)
         print(f"\nall checks beside a busy core in {time.monotonic() - t:.1f} s")
         assert busy.poll() is None  # the core stayed busy throughout

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import missing, with_tiny
-from test_interrupts import Kvexp, jobs
+from unit.app.test_interrupts import Kvexp, jobs
 
 from kvexp.backends.llamacpp import MIB
 from kvexp.results.validate import check_file

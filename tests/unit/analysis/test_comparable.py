@@ -8,12 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.findings import compute_findings
 from kvexp.results.validate import config_hash
 
-FIXTURES = Path(__file__).parent / "fixtures"
 REAL = FIXTURES / "decision"
 
 

@@ -7,12 +7,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.analysis.findings import compute_findings
 from kvexp.analysis.verdict import DRIFT_LIMIT, verdicts
 from kvexp.metrics import registry
 
-FIXTURES = Path(__file__).parent / "fixtures"
 # What no text a person reads may contain: Python's reprs and its names for nothing.
 UNREADABLE = re.compile(r"\bNone\b|\bnan\b|\bNaN\b|\binf\b|\{'|': '|object at 0x|<kvexp\.")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SUBCOMMANDS, TINY, kvexp_main as kvexp, snapshot, with_tiny
+from conftest import SUBCOMMANDS, TINY, kvexp_main as kvexp, snapshot, with_tiny, FIXTURES
 
 from kvexp.app.cli import SUBCOMMANDS as COMMANDS, main
 
@@ -28,11 +28,10 @@ from kvexp.core.config import ConfigError
 from kvexp.metrics.levels import Level, figure_warnings
 from kvexp.results.store import load_document
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
 HEADLINE = ["backend=vllm,llamacpp", "kv=fp16,fp8"]
-FOREIGN = Path(__file__).parent / "fixtures" / "foreign"
+FOREIGN = FIXTURES / "foreign"
 FAST = ["scenario.requests=2", "scenario.concurrency=[1]"]
 
 

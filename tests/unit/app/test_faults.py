@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, kvexp_main, snapshot
+from conftest import TINY, kvexp_main, snapshot, ROOT
 
 from kvexp.app import preflight
 from kvexp.app.compose import check, compose, compose_all, kv_choices
@@ -28,7 +28,6 @@ from kvexp.core.config import ConfigError
 from kvexp.results.store import load_document
 from kvexp.results.validate import check_file, config_hash
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
 
@@ -181,14 +180,14 @@ def test_a_second_run_into_a_held_folder_is_refused_with_the_holders_pid(fake, t
     folder = tmp_path / "sweep"
     first = subprocess.Popen([sys.executable, "-m", "kvexp", "-m", *TINY, f"backend.binary={fake}",
                               "backend.extra_args=[--token-gap,0.03]", "scenario.requests=20",
-                              f"hydra.sweep.dir={folder}"], cwd=Path(__file__).parent.parent,
+                              f"hydra.sweep.dir={folder}"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
         while not (folder / "multirun.yaml").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         second = subprocess.run([sys.executable, "-m", "kvexp", "-m", *TINY, f"backend.binary={fake}",
-                                 f"hydra.sweep.dir={folder}", "resume=true"], cwd=Path(__file__).parent.parent,
+                                 f"hydra.sweep.dir={folder}", "resume=true"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert first.poll() is None, "the first run ended before the second started: make it longer"
         assert second.returncode == 1
@@ -392,7 +391,7 @@ def test_disk_full_mid_job_on_a_tiny_tmpfs(fake, tmp_path):
     try:
         out = mnt / "run"
         r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"backend.binary={fake}", "scenario.requests=100",
-                            "scenario.concurrency=[1,2,4]", f"hydra.run.dir={out}"], cwd=Path(__file__).parent.parent,
+                            "scenario.concurrency=[1,2,4]", f"hydra.run.dir={out}"], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         _check_disk_full_folder(out)
@@ -416,7 +415,7 @@ def full_disk(tmp_path):
 
 def test_a_disk_already_full_is_refused_before_anything_starts(full_disk):
     r = subprocess.run([sys.executable, "-m", "kvexp", *TINY, f"hydra.run.dir={full_disk / 'run'}"],
-                       cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
     assert r.stderr == f"kvexp: {full_disk / 'run'}: cannot write results here: No space left on device\n", r.stderr
 

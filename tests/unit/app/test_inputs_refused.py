@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, kvexp_main, snapshot
+from conftest import TINY, kvexp_main, snapshot, FIXTURES, ROOT
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-GUIDELLM = Path(__file__).parent / "fixtures" / "foreign" / "guidellm" / "benchmarks.json"
+GUIDELLM = FIXTURES / "foreign" / "guidellm" / "benchmarks.json"
 
 
 def one_line(capsys) -> str:

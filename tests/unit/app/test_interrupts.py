@@ -22,7 +22,6 @@ from kvexp.backends.process import tail
 from kvexp.results.store import load_document
 from kvexp.results.validate import check_file
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
 

@@ -20,7 +20,6 @@ from kvexp.results.store import ResultError, load_document
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
 LEVELS = ["scenario.concurrency=[1,2,4]", "scenario.requests=4"]

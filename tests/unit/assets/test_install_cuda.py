@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from kvexp.app import installer
 from kvexp.assets import cuda, install
 
-ROOT = Path(__file__).resolve().parents[1]
 NONE = cuda.CudaProbe()
 DRIVER_ONLY = cuda.CudaProbe(driver="nvidia-smi at /usr/bin/nvidia-smi", gpus=("NVIDIA H100 80GB HBM3",))
 FULL = cuda.CudaProbe(driver="nvidia-smi at /usr/bin/nvidia-smi", nvcc="/usr/local/cuda/bin/nvcc",

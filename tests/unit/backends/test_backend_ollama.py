@@ -28,10 +28,9 @@ from kvexp.metrics import stats
 from kvexp.metrics.records import RequestRecord
 from kvexp.workload.prompts import estimated_text
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_ollama  # noqa: E402
 
-FAKE = Path(__file__).parent / "fake_ollama.py"
+FAKE = Path(fake_ollama.__file__).resolve()
 KVS = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
+import conftest
 import pytest
+from conftest import ROOT
 
 from kvexp.capacity import planner
 from kvexp import backends
@@ -25,8 +26,7 @@ VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 OLLAMA = backends.REGISTRY["ollama"].cache_model
 
-FIXTURES = Path(__file__).parent / "fixtures" / "planner"
-ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = conftest.FIXTURES / "planner"
 REF = json.loads((FIXTURES / "rtx5070ti-qwen2.5-7b.json").read_text())
 AWQ_WEIGHTS_GIB = 5.188  # the reference's size of Qwen2.5-7B-Instruct-AWQ
 QWEN7 = ModelArch.from_preset("qwen2.5-7b", AWQ_WEIGHTS_GIB)

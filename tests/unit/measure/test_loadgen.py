@@ -9,10 +9,10 @@ import io
 import json
 import multiprocessing
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from conftest import FIXTURES
 from aiohttp import web
 
 from kvexp.backends import openai
@@ -25,7 +25,7 @@ from kvexp.measure.workers import resolve_workers, runs_in_process, split_closed
 from kvexp.metrics import stats
 from kvexp.metrics.records import RequestRecord
 
-FX = Path(__file__).parent / "fixtures"
+FX = FIXTURES
 
 
 def token(i: int, finish: str = "null") -> bytes:

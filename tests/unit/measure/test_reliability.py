@@ -25,7 +25,6 @@ from kvexp.measure.runner import run_job
 from kvexp.report.summary import render_job_summary
 from kvexp.results.store import load_document
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fake_openai  # noqa: E402
 
 FAKE = Path(fake_openai.__file__).resolve()

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.analysis.aggregate import collect
 from kvexp.metrics import levels, registry, stats
@@ -21,7 +22,7 @@ from kvexp.report.summary import render_job_summary, write_sweep_outputs
 from kvexp.report.tables import NESTED_LEVEL_BLOCKS
 from kvexp.results.validate import config_hash, errors_of
 
-FIX = Path(__file__).parent / "fixtures" / "foreign"
+FIX = FIXTURES / "foreign"
 KVEXP_RESULT = FIX / "kvexp" / "result.json"  # kvexp's own run of a real (tiny) vLLM server
 HEADERS = {m.header for m in registry.METRICS.values()}
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+import conftest
 import pytest
 
 from kvexp.planning import calibration as calib
@@ -14,7 +14,7 @@ from kvexp.capacity.planner import GIB_BYTES, ModelArch, plan_job
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 
-FIXTURES = Path(__file__).parent / "fixtures" / "planner"
+FIXTURES = conftest.FIXTURES / "planner"
 REF = json.loads((FIXTURES / "rtx5070ti-qwen2.5-7b.json").read_text())
 QWEN7 = ModelArch.from_preset("qwen2.5-7b", 5.188)
 ARCHS = {"Qwen/Qwen2.5-7B-Instruct-AWQ": QWEN7}

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from kvexp import backends
 from kvexp.capacity import planner
 from kvexp.planning import whatif
 
-ROOT = Path(__file__).resolve().parents[1]
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 RTX = whatif.GPUPreset("rtx5070ti", "NVIDIA GeForce RTX 5070 Ti", 15.92)

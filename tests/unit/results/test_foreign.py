@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.results import foreign
 from kvexp.app.cli import main
@@ -16,7 +17,7 @@ from kvexp.report.render import render_report
 from kvexp.analysis.aggregate import collect
 from kvexp.results.store import ResultError, load_any
 
-FIX = Path(__file__).parent / "fixtures" / "foreign"
+FIX = FIXTURES / "foreign"
 VLLM_FILES = sorted((FIX / "vllm").glob("*.json"))
 AIPERF_FILES = sorted((FIX / "aiperf").rglob("profile_export_aiperf.json"))
 GUIDELLM_FILE = FIX / "guidellm" / "benchmarks.json"

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import FIXTURES, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-FIX = Path(__file__).parent / "fixtures" / "foreign"
+FIX = FIXTURES / "foreign"
 KVEXP_RESULT = FIX / "kvexp" / "result.json"
 VLLM = FIX / "vllm" / "tiny-vllm-concurrency1.json"
 GUIDELLM = FIX / "guidellm" / "benchmarks.json"

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.results import foreign_fields, guards, validate
 from kvexp.results.store import ResultError, find_results, keep_requests, load_any, load_document, previous_result
 
-FIX = Path(__file__).parent / "fixtures" / "foreign"
+FIX = FIXTURES / "foreign"
 KVEXP_RESULT = FIX / "kvexp" / "result.json"
 VLLM = FIX / "vllm" / "tiny-vllm-concurrency1.json"
 GUIDELLM = FIX / "guidellm" / "benchmarks.json"
