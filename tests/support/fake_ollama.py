@@ -35,7 +35,7 @@ http500 (an HTTP 500 before any byte). GET /_fake/state shows what the fake rece
 The fake's tokenizer is ceil(UTF-8 bytes / 4); chat adds 8 tokens of template per message, generate
 without raw adds 4.
 
-Run: python tests/fake_ollama.py serve"""
+Run: python tests/support/fake_ollama.py serve"""
 
 from __future__ import annotations
 

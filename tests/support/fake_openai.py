@@ -32,7 +32,7 @@ Faults (fake-only flags): --fault KIND applies to the completion requests number
 --start-delay S: /health answers 503 for S seconds first. --token-gap S: time between tokens.
 SIGTERM or SIGINT: exit at once (status 0).
 
-Run: python tests/fake_openai.py --port 8080 [--fault KIND ...]; for kvexp to launch it,
+Run: python tests/support/fake_openai.py --port 8080 [--fault KIND ...]; for kvexp to launch it,
 backend.binary=<wrapper(folder)> and the fault flags in backend.extra_args=[--fault,KIND,...]."""
 
 from __future__ import annotations

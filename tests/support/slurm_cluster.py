@@ -1,5 +1,5 @@
 """A one-node Slurm cluster on loopback, from Debian 12's packages (slurm-wlm, slurmdbd, munge, mariadb-server),
-for tests/test_slurm_real.py:
+for tests/integration/slurm/test_slurm_real.py:
 
     with SlurmCluster() as cluster:        # munged, MariaDB, slurmdbd, slurmctld, slurmd; node idle
         subprocess.run(["sinfo"], env=cluster.env)
@@ -291,7 +291,7 @@ def _children(pid: int) -> list[psutil.Process]:
         return []
 
 
-if __name__ == "__main__":  # a cluster by hand: python tests/slurm_cluster.py, then Ctrl-C
+if __name__ == "__main__":  # a cluster by hand: python tests/support/slurm_cluster.py, then Ctrl-C
     with SlurmCluster() as c:
         print(f"export SLURM_CONF={c.conf}")
         print(c.run("sinfo").stdout, end="", flush=True)

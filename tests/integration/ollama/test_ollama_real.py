@@ -4,7 +4,7 @@ consistent with kvexp's planner (consistency between two parts of kvexp, not tru
 equal to the server's eval_count, the client's TPOT beside the server's eval_duration on the real model,
 and no server left after SIGINT or a killed server.
 
-The fake Ollama (tests/fake_ollama.py) stays for what a real server cannot be made to do on demand:
+The fake Ollama (tests/support/fake_ollama.py) stays for what a real server cannot be made to do on demand:
 malformed streams, stalls, mid-stream errors."""
 
 from __future__ import annotations

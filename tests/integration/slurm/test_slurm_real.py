@@ -1,5 +1,5 @@
 """Sweeps through Slurm on a real one-node cluster on loopback (Debian's slurm-wlm, slurmdbd, munge and
-mariadb-server; tests/slurm_cluster.py starts and stops it) with the real llama-server and the tiny model:
+mariadb-server; tests/support/slurm_cluster.py starts and stops it) with the real llama-server and the tiny model:
 two jobs through `hydra/launcher=submitit_slurm` that complete, each result recording its Slurm job id and
 node, and the sweep's report; then a sweep through `hydra/launcher=kvexp_slurm` with one job cancelled with
 scancel while it measures: the sweep says so in one line, is still reported and fails, no server of that

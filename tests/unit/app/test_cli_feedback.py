@@ -2,7 +2,7 @@
 skips and why; keys only some backends of a sweep declare are set where declared and ignored, once
 said, elsewhere; resume of a finished folder has nothing to do; validate takes folders; --help lists
 every command; results prints an aligned table (CSV on request); the client-workers advice names the
-likely cause. Jobs run on the fake llama-server (tests/fake_openai.py)."""
+likely cause. Jobs run on the fake llama-server (tests/support/fake_openai.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 config values refused at compose time, nonsense result files refused by `validate` with their JSON
 path, one writer per folder, a resume with a changed spec that changes nothing, a full disk, Markdown
 that escapes what users typed, quiet PDF layout, and the install's step lines. On the fake llama-server
-(tests/fake_openai.py); the signal and hung-server cases on the real one are in test_faults_server.py."""
+(tests/support/fake_openai.py); the signal and hung-server cases on the real one are in test_faults_server.py."""
 
 from __future__ import annotations
 

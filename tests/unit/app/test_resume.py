@@ -1,4 +1,4 @@
-"""Resume, on the fake llama-server (tests/fake_openai.py): a job taken up again keeps its finished levels
+"""Resume, on the fake llama-server (tests/support/fake_openai.py): a job taken up again keeps its finished levels
 and their requests and measures only the rest; a changed spec is refused; a complete job is left alone;
 `python -m kvexp resume DIR` runs the saved overrides again into the same folder."""
 

@@ -70,7 +70,7 @@ def test_real_log_sample():
 
 def test_slots_usage():
     busy = json.loads((FX / "slots_busy.json").read_text())
-    # n_prompt_tokens (756) already holds the 752 decoded tokens (tests/test_truth_llamacpp.py): counted once
+    # n_prompt_tokens (756) already holds the 752 decoded tokens (tests/unit/backends/test_llamacpp_kv_cells.py): counted once
     assert slots_usage(busy) == pytest.approx(756 / 4096)
     assert slots_usage(json.loads((FX / "slots_idle.json").read_text())) == 0.0
     assert slots_usage([]) is None

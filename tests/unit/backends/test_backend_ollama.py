@@ -1,5 +1,5 @@
 """The Ollama adapter: the NDJSON parser on recorded lines in the documented format, the launch
-environment per KV type, and the fake Ollama server (tests/fake_ollama.py) launched through
+environment per KV type, and the fake Ollama server (tests/support/fake_ollama.py) launched through
 ServerProcess and driven by the load generator. Everything here is checked against Ollama's
 documented protocol; no real Ollama runs in these tests."""
 

@@ -1,7 +1,7 @@
 """No process a server starts outlives kvexp, however kvexp ends, on a stand-in server whose children stay
 in its group, leave the group (setpgid), leave the session (setsid) or ignore SIGTERM: the watcher ends
 them all when kvexp is killed, and `cleanup` finds what is left when the watcher was killed too, by the
-session and start time kvexp recorded, never a server whose kvexp still runs. (tests/test_sigkill.py does
+session and start time kvexp recorded, never a server whose kvexp still runs. (tests/integration/test_sigkill.py does
 the same on the real servers.)"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Server faults, on the fake llama-server (tests/fake_openai.py) launched by kvexp itself: every fault is
+"""Server faults, on the fake llama-server (tests/support/fake_openai.py) launched by kvexp itself: every fault is
 classified per request and counted in its level, a dead server ends its job at once with the exit status
 and the log's tail, a server is never reused after it died, and no server outlives its job."""
 

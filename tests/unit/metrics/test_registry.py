@@ -125,7 +125,7 @@ def check_report(text: str) -> dict[str, int]:
             name = heading[5:]
             if name in REPORT_OTHER_TABLES:
                 continue
-            assert name in REPORT_DETAIL_TABLES, f"a new level table {name!r}: name it in tests/test_registry.py"
+            assert name in REPORT_DETAIL_TABLES, f"a new level table {name!r}: name it in tests/unit/metrics/test_registry.py"
             assert head[:2] == REPORT_DETAIL_FIRST and not not_registered(head[2:]), (name, not_registered(head[2:]))
             seen["detail"] += 1
     return seen
@@ -205,7 +205,7 @@ def test_job_summary_columns_are_registry_headers():
         if heading == "## Levels":
             assert not not_registered(head), not_registered(head)
         else:
-            assert heading == "## Repeats", f"a new table under {heading!r}: name it in tests/test_registry.py"
+            assert heading == "## Repeats", f"a new table under {heading!r}: name it in tests/unit/metrics/test_registry.py"
             assert head[:1] == SUMMARY_REPEATS_FIRST and not not_registered(head[1:]), not_registered(head[1:])
         checked += 1
     assert checked == 2
@@ -219,7 +219,7 @@ def test_sweep_summary_columns_are_registry_headers(sweep):
     for heading, head in md_tables(text):
         if heading.startswith(SWEEP_OTHER_SECTIONS):
             continue
-        assert heading in labels, f"a new table under {heading!r}: name it in tests/test_registry.py"
+        assert heading in labels, f"a new table under {heading!r}: name it in tests/unit/metrics/test_registry.py"
         if head[:1] == SUMMARY_REPEATS_FIRST:
             assert not not_registered(head[1:]), not_registered(head[1:])
             kinds.append("repeats")

@@ -1,6 +1,7 @@
 """Exact-text prompts for a backend without a tokenizer endpoint (kvexp.workload.prompts.text_units):
 units of one token each, found with a tokenizer of the model's vocabulary before the levels and
-checked where they stand in text; here against fake tokenizers (the real ones: tests/test_ollama_real.py)."""
+checked where they stand in text; here against fake tokenizers (the real ones:
+tests/integration/ollama/test_ollama_real.py)."""
 
 from __future__ import annotations
 
