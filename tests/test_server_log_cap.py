@@ -10,6 +10,7 @@ job against a 64 KiB cap."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -62,8 +63,6 @@ def stream(n: int):
 
 
 def script(tmp: Path) -> Path:
-    import inspect
-
     path = tmp / "server.py"
     path.write_text(inspect.getsource(stream) + SERVER)
     return path

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import logging
 import os
 import re
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import urllib.error
@@ -125,7 +129,8 @@ class LogCap:
 
 def lines_path(log_path: Path) -> Path:
     """Where the lines kept whole go: server.log -> server.lines.log."""
-    return log_path.with_name(f"{log_path.stem}.lines{log_path.suffix}" if log_path.suffix else f"{log_path.name}.lines")
+    name = f"{log_path.stem}.lines{log_path.suffix}" if log_path.suffix else f"{log_path.name}.lines"
+    return log_path.with_name(name)
 
 
 def _set_aside(path: Path) -> None:
@@ -227,14 +232,37 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
 
+    def _log_caught_up(self, timeout_s: float = 1.0) -> None:
+        """Up to timeout_s for the keeper to have read all the server has written so far, so that what it
+        wrote before now is in the file, as when it wrote the file itself: the pipe is empty (FIONREAD on
+        the server's stdout, opened anew through /proc; Linux)."""
+        if self.keeper is None or self.proc is None or self.keeper.poll() is not None:
+            return
+        try:
+            fd = os.open(f"/proc/{self.proc.pid}/fd/1", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                return
+            deadline = time.monotonic() + timeout_s
+            while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] and time.monotonic() < deadline:
+                time.sleep(0.005)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def log_mark(self) -> tuple[int, int]:
         """How much the server has written so far, to the log and to its kept lines (a mark for log_since)."""
+        self._log_caught_up()
         return (serverlog.written(self.log_path, self.log_cap.head),
                 serverlog.written(self.lines_path, self.log_cap.lines_head))
 
     def log_since(self, mark: tuple[int, int]) -> str:
         """What the server wrote after mark, as far as the log keeps it (at most 4 MiB); where part of it
         was dropped, the lines kept whole (its kept lines) come first."""
+        self._log_caught_up()
         text, whole = serverlog.since(self.log_path, self.log_cap.head, mark[0])
         if whole:
             return text
@@ -282,7 +310,9 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
-                        return time.monotonic() - t0
+                        ready = time.monotonic() - t0
+                        self._log_caught_up()  # what it wrote before it answered is in its log
+                        return ready
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             if time.monotonic() > deadline:

@@ -48,7 +48,8 @@ class CappedFile:
 
     def __init__(self, path: str, max_bytes: Optional[int], head_bytes: int, what: str, cap: str):
         self.path, self.max, self.head_max, self.what, self.cap = path, max_bytes, head_bytes, what, cap
-        self.head: Optional[bytes] = None  # sealed at the first cut
+        self.head = b""  # sealed at the first cut
+        self.recent: Optional[bytearray] = None  # what follows the marker, from the first cut on
         self.marker = b""
         self.dropped = 0
         self.failed = 0  # bytes that could not be written (a full disk, a removed folder)
@@ -70,46 +71,52 @@ class CappedFile:
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)
+            if self.recent is not None:
+                self.recent += view[:n]
             view = view[n:]
             self.size += n
 
     def _cut(self, data: bytes) -> None:
-        """Keep the head and the newest half of the room after it; the rest goes, counted in the marker."""
+        """Keep the head and the newest half of the room after it; the rest goes, counted in the marker.
+        From the first cut on, what follows the marker is also held in memory (at most max_bytes), so that a
+        cut writes the new file without reading the old one."""
         assert self.max is not None
-        if self.head is None and self.size < self.head_max:  # the head is the server's first head_max bytes
-            n = self.head_max - self.size
-            self._append(data[:n])
-            data = data[n:]
-        with open(self.path, "rb") as f:
-            if self.head is None:
+        if self.recent is None:
+            if self.size < self.head_max:  # the head is the server's first head_max bytes
+                n = self.head_max - self.size
+                self._append(data[:n])
+                data = data[n:]
+            with open(self.path, "rb") as f:
                 head = f.read(self.head_max)
                 end = head.rfind(b"\n") + 1
                 self.head = head[:end] if end else head
-            f.seek(len(self.head) + len(self.marker))
-            stream = f.read() + data
+                f.seek(len(self.head))
+                self.recent = bytearray(f.read())
+        self.recent += data
         room = max(self.max - len(self.head) - MARKER_ROOM, 1)
-        cut = max(len(stream) - room // 2, 0)
+        cut = max(len(self.recent) - room // 2, 0)
         if cut:
-            nl = stream.find(b"\n", cut - 1)
-            cut = nl + 1 if nl >= 0 and nl + 1 < len(stream) else cut
+            nl = self.recent.find(b"\n", cut - 1)
+            cut = nl + 1 if nl >= 0 and nl + 1 < len(self.recent) else cut
+        del self.recent[:cut]
         self.dropped += cut
         self.marker = MARKER.format(n=self.dropped, what=self.what, cap=self.cap).encode()
         tmp = f"{self.path}.keeping"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for part in (self.head, self.marker, stream[cut:]):
+            for part in (self.head, self.marker, self.recent):
                 view = memoryview(part)
                 while view:
                     view = view[os.write(fd, view):]
+            os.replace(tmp, self.path)
         except OSError:
             os.close(fd)
             os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, self.path)
         os.close(self.fd)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self.size = len(self.head) + len(self.marker) + len(stream) - cut
+        self.fd = fd  # opened for appending from here
+        os.lseek(fd, 0, os.SEEK_END)
+        self.size = len(self.head) + len(self.marker) + len(self.recent)
 
     def close(self) -> None:
         if self.failed:  # said at the end, where a reader looks first
@@ -123,7 +130,7 @@ class Keeper:
 
     def __init__(self, log: CappedFile, lines: Optional[CappedFile], pattern: Optional[str]):
         self.log, self.lines = log, lines
-        self.line = re.compile(rb"^[^\n]*(?:" + pattern.encode() + rb")[^\n]*\n", re.M) if pattern else None
+        self.pattern = re.compile(pattern.encode()) if pattern else None
         self.partial = b""
         self.skipping = False  # inside a line too long to keep
 
@@ -132,7 +139,7 @@ class Keeper:
         self._match(chunk)
 
     def _match(self, chunk: bytes) -> None:
-        if self.line is None or self.lines is None:
+        if self.pattern is None or self.lines is None:
             return
         buf = self.partial + chunk
         end = buf.rfind(b"\n") + 1
@@ -142,9 +149,16 @@ class Keeper:
             self.skipping = False
         if len(self.partial) > LONG_LINE:
             self.partial, self.skipping = b"", True
-        kept = b"".join(m.group() for m in self.line.finditer(whole))
+        kept, at = [], 0
+        while m := self.pattern.search(whole, at):  # the pattern's own search (a literal start is found fast)
+            start = whole.rfind(b"\n", 0, m.start()) + 1
+            end = whole.find(b"\n", max(m.end() - 1, start)) + 1  # whole ends with a line's end
+            if end <= at:  # a pattern that matches nothing of a line (an empty match at its end)
+                break
+            kept.append(whole[start:end])
+            at = end
         if kept:
-            self.lines.write(kept)
+            self.lines.write(b"".join(kept))
 
     def close(self) -> None:
         if self.partial and not self.skipping:
