@@ -29,7 +29,8 @@ from kvexp.app.compose import compose
 from kvexp.backends import serverlog
 from kvexp.backends.pool import ServerPool
 from kvexp.backends.process import LogCap, ServerProcess, last_error_line
-from kvexp.core.config import ConfigError
+from kvexp.backends.ollama import Ollama, OllamaConfig
+from kvexp.core.config import ConfigError, ExperimentConfig, KVConfig, ModelConfig, ScenarioConfig
 from kvexp.measure.runner import run_job
 from kvexp.results.store import spec_of
 from kvexp.results.validate import check_file
@@ -212,6 +213,60 @@ def test_after_a_sigkill_of_kvexp_the_log_holds_the_servers_last_words_and_the_k
     assert not survivors(procs)
     said = (tmp_path / "server.log").read_text().splitlines()  # (sh may say its sleep was "Terminated")
     assert said[0] == "started" and said[-1] == last
+
+
+# Ollama 0.24.0's own lines when its runner was killed mid-level (tests/test_backend_ollama.py has them too)
+GONE = ('time=2026-12-07T12:52:43.855Z level=WARN source=server.go:1305 msg="llama runner process no longer '
+        'running" sys=9 string="signal: killed"')
+AGAIN = ('time=2026-12-07T12:52:43.867Z level=INFO source=server.go:433 msg="starting runner" '
+         'cmd="/root/.cache/kvexp/bin/ollama-0.24.0-b1 runner --model /m/blobs/sha256-2dfa --port 43849"')
+BUSY = """
+import os, sys, time
+out = sys.stdout
+print("launched", flush=True)
+while not os.path.exists(sys.argv[3]):  # the level begins
+    time.sleep(0.01)
+for i in range(20000):
+    print(f'time=t level=INFO source=routes.go:1 msg="request" status=200 n={i}')
+    if i == 9000:
+        print(sys.argv[1]); print(sys.argv[2])
+out.flush()
+time.sleep(600)
+"""
+
+
+def test_a_runner_lost_mid_level_is_found_where_the_cap_dropped_that_part_of_the_log(tmp_path):
+    """A level whose part of the log the cap dropped still fails in the server's words: Ollama's runner
+    lines are kept whole (Ollama.log_kept) and log_since reads them first."""
+    cfg = ExperimentConfig(backend=OllamaConfig(), model=ModelConfig(name="tiny", ollama="tiny"),
+                           kv=KVConfig(name="f16", per_backend={"ollama": "f16"}),
+                           scenario=ScenarioConfig(name="t", prompt_tokens=8, max_tokens=8, concurrency=[1], requests=1))
+    ollama = Ollama(cfg, "tiny", None)
+    (tmp_path / "busy.py").write_text(BUSY)
+    cap = LogCap(max_bytes=64 << 10, head_bytes=8 << 10, lines_max_bytes=64 << 10, kept=Ollama.log_kept)
+    go = tmp_path / "go"
+    s = ServerProcess([sys.executable, str(tmp_path / "busy.py"), GONE, AGAIN, str(go)], {}, tmp_path / "server.log",
+                      "stand-in", 1.0, log_cap=cap)
+    try:
+        s.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while "launched" not in serverlog.since(s.log_path, cap.head, 0)[0]:
+            assert time.monotonic() < deadline and s.exited() is None
+            time.sleep(0.05)
+        mark = s.log_mark()
+        go.touch()
+        while serverlog.written(s.log_path, cap.head) < 1_000_000:  # ~1.3 MB, 20 times the cap
+            assert time.monotonic() < deadline and s.exited() is None
+            time.sleep(0.05)
+        time.sleep(0.2)
+        part = s.log_since(mark)
+        assert GONE not in (tmp_path / "server.log").read_text()  # the cap dropped it from the log
+        assert part.startswith(GONE + "\n" + AGAIN + "\n")  # the kept lines, first
+        assert ollama.model_lost(part) == ('Ollama\'s runner died ("llama runner process no longer running", '
+                                           'signal: killed) and the model was loaded again')
+        assert ollama.model_lost(s.log_since(s.log_mark())) is None  # a later stretch: nothing lost
+    finally:
+        s.stop()
 
 
 def test_the_cap_is_a_setting_checked_at_compose_time_and_no_part_of_the_spec():

@@ -205,6 +205,10 @@ class ServerProcess:
         if sys.executable:
             (read, write), (wread, wwrite) = os.pipe(), os.pipe()
             try:
+                fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, serverlog.PIPE_BYTES)
+            except OSError:  # above this system's /proc/sys/fs/pipe-max-size: the default size serves too
+                pass
+            try:
                 self.keeper = subprocess.Popen(
                     [sys.executable, "-I", "-S", serverlog.__file__, serverlog.spec(
                         str(self.log_path), cap.max_bytes, cap.head_bytes, str(self.lines_path), cap.lines_max_bytes,
@@ -220,6 +224,7 @@ class ServerProcess:
             finally:
                 os.close(read)
                 os.close(wread)
+        self.log_cap = LogCap(None, cap.head_bytes, None)  # what was kept: all of it, no lines apart
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         return fd, fd
 
@@ -273,7 +278,7 @@ class ServerProcess:
         """The log's bytes as a result records them (backend.server_log_bytes, .server_lines_log_bytes)."""
         cap = self.log_cap
         out: dict[str, Any] = {"server_log_bytes": serverlog.figures(self.log_path, cap.head, cap.max_bytes)}
-        if self.keeper is not None and cap.kept is not None:
+        if cap.kept is not None:
             out["server_lines_log"] = str(self.lines_path)
             out["server_lines_log_bytes"] = serverlog.figures(self.lines_path, cap.lines_head, cap.lines_max_bytes)
         return out
