@@ -2,10 +2,11 @@
 and the server's latest output; the lines kvexp reads back later (llama-server's per-request timings,
 Ollama's runner restarts) are copied as they stream into a second capped file.
 
-A llama-server at `-lv 4` writes about 20 KB per request, so a 100,000-request job wrote 2 GB. The server's
+A llama-server at `-lv 4` lists its whole prompt cache at every request: 5,000 requests on the tiny model
+wrote 3.8 GB, growing with the square of the requests (docs/reliability.md). The server's
 stdout and stderr now go through a pipe to the keeper, a small process of its own beside the server (run
 as a script, `python -I -S serverlog.py SPEC`, the pipe on its stdin; it imports the standard library
-only). It writes what it reads at once, so the file is as current as the server's own writes were, and:
+only). It writes what it reads at once (a trickle of lines gathers for at most GATHER_S), and:
 
 - `server.log` holds the first `head_bytes` (cut at a line's end), then once the file would pass
   `max_bytes`, one line `[kvexp: N bytes of the server's log dropped here; cap log.max_mb=8]`, then the

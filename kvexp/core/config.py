@@ -294,8 +294,8 @@ class QualityConfig:
 @dataclass
 class LogConfig:
     """What is kept on disk of the output of a server kvexp launches (kvexp/backends/serverlog.py). A
-    llama-server at -lv 4 writes about 20 KB per request: uncapped, a 100,000-request job wrote 2 GB.
-    Not part of a job's spec (its config hash): a resumed job may change it."""
+    llama-server at -lv 4 lists its whole prompt cache at every request: uncapped, 5,000 requests on the
+    tiny model wrote 3.8 GB. Not part of a job's spec (its config hash): a resumed job may change it."""
 
     # server.log at most: its head, one line saying how many bytes were dropped, and the latest output
     # (null: no cap, the whole log)
