@@ -215,6 +215,11 @@ class ServerProcess:
                         cap.kept, other_fd=wread)],
                     stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(wread,),
                     start_new_session=True)  # a terminal's Ctrl-C must not end it before the server's last words
+                if self.cpus:  # its work is the server's output: on the server's CPUs, off the client's
+                    try:
+                        os.sched_setaffinity(self.keeper.pid, self.cpus)
+                    except OSError:
+                        pass
                 return write, wwrite
             except OSError as e:
                 os.close(write)
