@@ -460,6 +460,10 @@ class Adapter:
         kv_type (default: the job's), recorded in the spec and used as a cache key."""
         return {}
 
+    # the lines of the server's log kept whole whatever the log's cap, as they stream (a regular expression
+    # matched within a line; None: none): what kvexp or its checks read back later (kvexp/backends/serverlog.py)
+    log_kept: ClassVar[Optional[str]] = None
+
     def log_states_kv(self, log_text: str) -> bool:
         """Whether the server's log already holds its KV cache lines (the runner waits a moment for
         them: a server's logger may write them after it answers its health probe)."""

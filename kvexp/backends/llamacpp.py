@@ -427,6 +427,7 @@ class LlamaCpp(Adapter):
         return self.b.threads or self.placement.server_threads
 
     server_timing_source = "llama-server's per-request timings"
+    log_kept = r"print_timing: "  # each request's timings, in the server's own words (`slot print_timing: id 0 | ...`)
 
     def request_timing(self, timings: Optional[dict[str, float]],
                        output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:

@@ -376,6 +376,8 @@ class Ollama(Adapter):
     def log_states_kv(self, log_text: str) -> bool:
         return LOADED_LINE in log_text
 
+    log_kept = r'msg="(?:starting runner|llama runner process no longer running)"'  # what model_lost reads
+
     def model_lost(self, log_part: str) -> Optional[str]:
         if m := _RUNNER_GONE.search(log_part):
             return f'Ollama\'s runner died ("{m[1]}", {m[2]}) and the model was loaded again'

@@ -187,8 +187,11 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         res["status_reason"] = _reason(e, server, len(res["levels"]))
         raise
     finally:
-        if log_path.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
-            res["backend"]["log_tail"] = tail(log_path, 20)
+        if server is not None:  # the server's log (kept under log.max_mb), and what it dropped
+            res["backend"].update(server.process.log_figures())
+        said = server.process.log_path if server is not None else log_path  # a reused server's is an earlier job's
+        if said.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
+            res["backend"]["log_tail"] = tail(said, 20)
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
         reserve.release()
@@ -301,7 +304,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     _check_alive(server)
                     if server is None:
                         await _check_attached(backend, session)
-                    log_at = _log_size(server)
+                    log_at = server.process.log_mark() if server else None
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
                     if summary["status"] == "ok" and (lost := backend.model_lost(_log_since(server, log_at))):
@@ -487,23 +490,10 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
 LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
 
 
-def _log_size(server: Optional[Server]) -> int:
-    try:
-        return server.process.log_path.stat().st_size if server else 0
-    except OSError:
-        return 0
-
-
-def _log_since(server: Optional[Server], offset: int) -> str:
-    """What the launched server's log gained since offset (at most 4 MiB of it); "" for an attached server."""
-    if server is None:
-        return ""
-    try:
-        with open(server.process.log_path, "rb") as f:
-            f.seek(offset)
-            return f.read(4 << 20).decode("utf-8", "replace")
-    except OSError:
-        return ""
+def _log_since(server: Optional[Server], mark: Optional[tuple[int, int]]) -> str:
+    """What the launched server wrote since mark, as far as its log keeps it (at most 4 MiB; where the cap
+    dropped part of it, the lines kept whole come first); "" for an attached server."""
+    return "" if server is None or mark is None else server.process.log_since(mark)
 
 
 async def _server_log(backend: Adapter, server: Optional[Server]) -> str:
