@@ -264,8 +264,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.report.summary import end_of_run_text, job_results, sweep_timing, timing_line, write_sweep_outputs
-        from kvexp.results.store import load_document
+        from kvexp.report.summary import end_of_run_text, timing_line, write_sweep_outputs
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
@@ -274,8 +273,8 @@ class SweepCallback(Callback):  # type: ignore[misc]
             written = write_sweep_outputs(sweep_dir, wall, since)
             for p in written:
                 log.info("sweep: wrote %s", p)
-            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall, since)))
-            print(end_of_run_text(load_document(sweep_dir / "sweep.json")[1]), flush=True)
+            log.info("sweep: %s", timing_line(written.timing))  # what it read: each result is read once
+            print(end_of_run_text(written.aggregate), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 

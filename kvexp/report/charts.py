@@ -8,8 +8,12 @@ label is fixed for the whole report and a single legend figure per scenario name
 from __future__ import annotations
 
 import io
+import logging
 import math
+import multiprocessing
 import re
+import threading
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -20,8 +24,11 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
 from kvexp.backends import find
+from kvexp.core import machine
 
-_PALETTE = (
+log = logging.getLogger(__name__)
+
+PALETTE = (
     # tab10, then the lighter halves of tab20, then tab20b: distinct first, similar only past 30 runs.
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
     "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
@@ -85,7 +92,7 @@ def colour_map(keys: Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for k in keys:
         if k not in out:
-            out[k] = _PALETTE[len(out) % len(_PALETTE)]
+            out[k] = PALETTE[len(out) % len(PALETTE)]
     return out
 
 
@@ -147,6 +154,42 @@ def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
     return svg_text, png_rel
 
 
+_CORNERS = ("upper right", "upper left", "lower left", "lower right")  # in matplotlib's order of preference
+
+
+def _middle(p: tuple[float, float], q: tuple[float, float], spec: ChartSpec) -> tuple[float, float]:
+    """The middle of a segment as drawn (on a log axis, the geometric mean)."""
+    def mid(a: float, b: float, log: bool) -> float:
+        return math.sqrt(a * b) if log and a > 0 and b > 0 else (a + b) / 2
+    return mid(p[0], q[0], spec.logx), mid(p[1], q[1], spec.logy)
+
+
+def _legend_corner(ax: Any, spec: ChartSpec, key: Sequence[Line2D]) -> str:
+    """The corner whose legend box covers the fewest data points: matplotlib's loc="best" measures every
+    line and label of the chart at nine places (half a chart's drawing time); the box's size is
+    estimated from the entries (7-point text) and the points counted in axes coordinates."""
+    pts: list[tuple[float, float]] = []
+    for s in spec.series:
+        line = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None and not math.isnan(y)]
+        pts += line + [_middle(p, q, spec) for p, q in zip(line, line[1:])]  # and what the lines cross
+    if not pts:
+        return _CORNERS[0]
+    ax.get_xlim(), ax.get_ylim()  # (autoscale now: the transform reads the limits)
+    frac = list(ax.transAxes.inverted().transform(ax.transData.transform(pts)))
+    for y, _ in spec.hlines:  # a grey line across the chart
+        fy = ax.transAxes.inverted().transform(ax.transData.transform([(pts[0][0], y)]))[0][1]
+        frac += [(fx, fy) for fx in (0.02, 0.25, 0.5, 0.75, 0.98)]
+    width = min(0.95, 0.1 + 0.0125 * max(len(h.get_label()) for h in key))
+    height = min(0.95, 0.04 + 0.058 * len(key))
+    counts = []
+    for corner in _CORNERS:
+        left, bottom = corner.endswith("left"), corner.startswith("lower")
+        inside = sum(1 for fx, fy in frac if (fx <= width if left else fx >= 1 - width)
+                     and (fy <= height if bottom else fy >= 1 - height))
+        counts.append(inside)
+    return _CORNERS[counts.index(min(counts))]
+
+
 def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel_dir: str = "charts") -> Chart:
     """Draw one chart; write `png_dir/<name>.png` when png_dir is given; return the SVG text when svg."""
     with mpl.rc_context(_RC):
@@ -165,7 +208,7 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             for (x, y), text in zip(pts, s.point_labels):
                 if not math.isnan(y):
                     ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
-                                color=s.colour)
+                                color=s.colour, annotation_clip=False)  # (its point is data: inside the axes)
         for y, _what in spec.hlines:
             ax.axhline(y, color="#555555", linestyle=":", linewidth=1)
         if spec.logx and xs_all and min(xs_all) > 0:
@@ -183,7 +226,7 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
         else:
             ax.set_ylim(bottom=0)
-        ax.set_title(_text(spec.title))
+        ax.set_title(_text(spec.title), y=1.0)  # a fixed place: no search of the ticks' boxes for room
         ax.set_xlabel(_text(spec.xlabel))
         ax.set_ylabel(_text(spec.ylabel))
         key = [Line2D([], [], color="#555555", linestyle=ls, linewidth=1.2, label=_text(what))
@@ -194,7 +237,7 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             key += [Line2D([], [], color=s.colour, marker=s.marker, markersize=3.5, linewidth=1.4,
                            label=_text(s.label)) for s in spec.series]
         if key:
-            ax.legend(handles=key, loc="best", frameon=False)
+            ax.legend(handles=key, loc=_legend_corner(ax, spec, key), frameon=False)
         svg_text, png = _save(fig, spec.name, png_dir, rel_dir, svg)
     return Chart(spec.name, spec.title, svg_text, png)
 
@@ -211,3 +254,26 @@ def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: O
         fig.legend(handles=handles, loc="center", ncol=ncol, frameon=False, fontsize=8, columnspacing=2.0)
         svg_text, png = _save(fig, name, png_dir, rel_dir, svg)
     return Chart(name, "Legend", svg_text, png)
+
+
+# Below this many charts one process draws them sooner than a pool starts; above it, one process per CPU
+# (up to MAX_WORKERS) draws them: matplotlib takes 0.1-0.3 s of one core per chart and format.
+PARALLEL_MIN_CHARTS = 6
+MAX_WORKERS = 4
+
+
+def render_all(tasks: Sequence[tuple[Any, tuple]]) -> list[Chart]:
+    """Each (render_chart or render_legend, its arguments) drawn, in order: in worker processes, one per
+    CPU, when there are many (fork where this process holds no other thread, else spawn); in this process
+    when there are few, on one CPU, or when the pool fails."""
+    workers = min(machine.usable_cpus(), MAX_WORKERS, len(tasks))
+    if workers > 1 and len(tasks) >= PARALLEL_MIN_CHARTS:
+        method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+            else "spawn"
+        try:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)) as pool:
+                futures = [pool.submit(fn, *args) for fn, args in tasks]
+                return [f.result() for f in futures]
+        except (OSError, RuntimeError) as e:  # (a pool that cannot start or a worker that died: draw them here)
+            log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
+    return [fn(*args) for fn, args in tasks]

@@ -25,8 +25,7 @@ from typing import Any, Iterable, Optional
 from markupsafe import Markup
 
 from kvexp.analysis import documents as D, findings as F, flags as FL
-from kvexp.analysis.recommend import recommendations
-from kvexp.analysis.verdict import verdicts
+from kvexp.analysis.aggregate import interpretation
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.planning import recompute
@@ -106,7 +105,8 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     keys = {str(r.get("label")): colour_key(r) for r in runs}
     by_key = C.colour_map(keys.values())
     colours = {label: by_key[k] for label, k in keys.items()}
-    findings = F.compute_findings(aggregate)
+    said = interpretation(aggregate)  # computed once, by collect, for an aggregate it made
+    findings = F.compute_findings({**aggregate, "kv_cards": said["kv_cards"]})
     warnings = FL.level_warnings(aggregate)
     groups = []
     checks = recompute.check_document(aggregate)
@@ -121,9 +121,9 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
     return {
-        "verdicts": [v.to_json() for v in verdicts(aggregate)],
+        "verdicts": said["verdicts"],
         "skipped": skipped_runs(runs),
-        "recommendations": [r["sentence"] for r in recommendations(aggregate)],
+        "recommendations": [r["sentence"] for r in said["recommendations"]],
         "title": title or aggregate.get("title") or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),
@@ -132,7 +132,7 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "scenarios": scenario_views(aggregate, colours, warnings, png_dir, svg),
         "planner": planner_view(aggregate),
         "quality": quality_view(aggregate, colours, png_dir, svg),
-        "cards": card_view(aggregate),
+        "cards": card_view({"kv_cards": said["kv_cards"]}),
         "warnings": [w.message for w in warnings],
         "failures": failures,
         "not_exposed": registry.NOT_EXPOSED,

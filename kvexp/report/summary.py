@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 from jinja2 import Environment
 
 from kvexp import backends
-from kvexp.analysis.aggregate import collect, run_of
+from kvexp.analysis.aggregate import collect, run_of, verdicts_of
 from kvexp.analysis.documents import run_status, scenarios
 from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
 from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
@@ -125,18 +125,6 @@ def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
-def job_results(sweep_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(sweep_dir.rglob(RESULT_FILE)):
-        try:
-            kind, doc = load_document(path)
-        except ResultError:
-            continue
-        if kind == "result":
-            out.append(doc)
-    return out
-
-
 def _when(stamp: Optional[str]) -> Optional[datetime]:
     try:
         return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ") if stamp else None
@@ -219,16 +207,25 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
     return out
 
 
+class SweepOutputs(list):
+    """The files write_sweep_outputs wrote, with the aggregate and the timing it made them from."""
+
+    aggregate: dict[str, Any]
+    timing: dict[str, Any]
+
+
 def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
-                        since: Optional[datetime] = None) -> list[Path]:
+                        since: Optional[datetime] = None) -> SweepOutputs:
     """The sweep's aggregate JSON, its Markdown summary and the full report (wall_s, since: sweep_timing)."""
-    agg = collect([sweep_dir])
-    written = []
+    results: list[dict[str, Any]] = []
+    agg = collect([sweep_dir], results)  # each result read once: its timing is summed from what collect read
+    written = SweepOutputs()
     path = sweep_dir / "sweep.json"
     write_json(path, agg, "aggregate")
     written.append(path)
     path = sweep_dir / "summary.md"
-    timing = sweep_timing(job_results(sweep_dir), wall_s, since)
+    timing = sweep_timing(results, wall_s, since)
+    written.aggregate, written.timing = agg, timing
     path.write_text(_env().get_template("sweep.md.j2").render(a=agg, runs=run_tables(agg), timing=timing))
     written.append(path)
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
@@ -259,7 +256,7 @@ def report_is_current(folder: Path, multirun: bool) -> bool:
 def end_of_run_text(agg: dict[str, Any]) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
-    lines = [f"verdict: {v.sentence}" for v in verdicts(agg)] or ["verdict: no job measured comparable levels"]
+    lines = [f"verdict: {v.sentence}" for v in verdicts_of(agg)] or ["verdict: no job measured comparable levels"]
     runs = list(agg.get("runs") or [])
     names: dict[str, str] = {}
     for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
