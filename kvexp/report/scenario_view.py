@@ -271,7 +271,8 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
 
 def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
                    svg: bool) -> list[dict]:
-    """One section per scenario: its description, level and detail tables, warning codes and charts."""
+    """One section per scenario: its description, level and detail tables, warning codes and charts (each
+    chart and legend still to draw: (function, arguments) for charts.draw_all)."""
     runs_all = list(agg.get("runs") or [])
     run_index = {id(r): i for i, r in enumerate(runs_all)}
     warn_codes: dict[tuple[int, int], list[str]] = {}
@@ -334,10 +335,5 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             "legend_items": legend_items,
             "notes": notes, "failed": failed, "best": [str(r.get("label")) for r in shown], "runs": len(runs),
         })
-    tasks = [t for sc in out for t in [*sc["charts"], *([sc["legend"]] if sc["legend"] else [])]]
-    drawn = iter(C.render_all(tasks))
-    for sc in out:
-        sc["charts"] = [next(drawn) for _ in sc["charts"]]
-        sc["legend"] = next(drawn) if sc["legend"] else None
     return out
 

@@ -230,7 +230,7 @@ def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
     written.append(path)
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
-    written += list(render_report(agg, sweep_dir / "report").values())
+    written += list(render_report(agg, sweep_dir / "report", validated=True).values())
     return written
 
 
@@ -239,7 +239,7 @@ def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
     agg = collect([job_dir / RESULT_FILE])
-    return agg, list(render_report(agg, job_dir / "report").values())
+    return agg, list(render_report(agg, job_dir / "report", validated=True).values())
 
 
 def report_is_current(folder: Path, multirun: bool) -> bool:

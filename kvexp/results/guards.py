@@ -221,8 +221,28 @@ def name_errors(doc: Any, names: tuple[tuple, ...], prefix: tuple = ()) -> list[
     return out
 
 
+def _any_long_text(doc: Any) -> bool:
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
+                return True
+            continue
+        for x in v:
+            if isinstance(x, (dict, list)):
+                stack.append(x)
+            elif isinstance(x, str) and len(x) > MAX_TEXT_CHARS:
+                return True
+    return False
+
+
 def long_texts(doc: Any) -> list[tuple[tuple, str]]:
     """(path, line) of each string longer than MAX_TEXT_CHARS, in document order (an iterative walk)."""
+    if not _any_long_text(doc):  # the common case, without a path for every value
+        return []
     out = []
     stack: list[tuple[tuple, Any]] = [((), doc)]
     while stack:

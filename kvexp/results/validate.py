@@ -178,10 +178,11 @@ def semantic_errors(doc: Any, kind: str) -> list[str]:
     return sorted(out)
 
 
-def errors_of(doc: Any, kind: str) -> list[str]:
+def errors_of(doc: Any, kind: str, structure: list[str] | None = None) -> list[str]:
     """Every violation as 'JSON-path: message': structure (depth, finite numbers) first, then the
-    schema's, in document order, then the rules across fields."""
-    structure = structure_errors(doc)
+    schema's, in document order, then the rules across fields. structure: structure_errors(doc), when
+    the caller has it already."""
+    structure = structure_errors(doc) if structure is None else structure
     if any("nested deeper" in m for m in structure):
         return structure  # the schema validator recurses: never hand it a document this deep
     errs = [] if accepts(kind)(doc) else sorted(validator(kind).iter_errors(doc),  # the fast check refused: ask
@@ -189,10 +190,10 @@ def errors_of(doc: Any, kind: str) -> list[str]:
     return structure + [f"{json_path(e)}: {e.message}" for e in errs] + semantic_errors(doc, kind)
 
 
-def read_errors(doc: Any, kind: str) -> list[str]:
+def read_errors(doc: Any, kind: str, structure: list[str] | None = None) -> list[str]:
     """errors_of, and the sanity rules a file read must also pass (kvexp.results.guards.sanity_errors:
     percentiles in order, each level once, physical bounds, text lengths)."""
-    errs = errors_of(doc, kind)
+    errs = errors_of(doc, kind, structure)
     if any("nested deeper" in m for m in errs):
         return errs
     return errs + guards.sanity_errors(doc, kind)
@@ -293,7 +294,8 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
             return Inspected("", None, [f"{path}: not JSON{not_json.format(e)}"])
     if _request_rows([doc]):  # a log of one request
         return Inspected("request", None, [_request_log(path)])
-    deep = [m for m in structure_errors(doc) if "nested deeper" in m]
+    structure = structure_errors(doc)  # (once: read_errors below is given it)
+    deep = [m for m in structure if "nested deeper" in m]
     if deep:  # refused whatever its shape claims to be
         return Inspected("", None, [f"{path}: {deep[0]}"])
     if foreign.sniff(doc) is not None:
@@ -305,7 +307,7 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
     if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         return Inspected(kind, doc, [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
                                      f"({SCHEMA_VERSION}); upgrade kvexp"])
-    return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind)])
+    return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind, structure)])
 
 
 def _request_rows(docs: Any) -> bool:
