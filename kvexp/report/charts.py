@@ -13,10 +13,11 @@ import math
 import multiprocessing
 import re
 import threading
+import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
@@ -84,7 +85,8 @@ class Chart:
     name: str
     title: str
     svg: Optional[str] = None  # an <svg> element, ready to inline
-    png: Optional[str] = None  # path relative to the report folder
+    png: Optional[str] = None  # the image beside the Markdown, relative to the report folder (a PNG; an
+    # SVG in a large report, save_svgs)
 
 
 def colour_map(keys: Iterable[str]) -> dict[str, str]:
@@ -138,6 +140,36 @@ def presentation_attributes(svg: str) -> str:
     return _STYLED_TAG.sub(one, svg)
 
 
+_SVG, _XLINK = "http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"
+ET.register_namespace("", _SVG)
+ET.register_namespace("xlink", _XLINK)
+
+
+def _flatten(el: Any) -> None:
+    kept = []
+    for child in el:
+        if child.tag == f"{{{_SVG}}}metadata":
+            continue
+        _flatten(child)
+        if child.tag == f"{{{_SVG}}}g" and set(child.attrib) <= {"id"} and not (child.text or "").strip():
+            kept.extend(child)  # its children, in its place
+        else:
+            kept.append(child)
+    el[:] = kept
+
+
+def lean(svg: str) -> str:
+    """matplotlib's SVG without what draws nothing: its RDF metadata, and the <g id=...> wrapped around
+    every artist (a group with no attribute but its id: nothing refers to it, and its children draw the
+    same without it). Half the elements go, and with them half of WeasyPrint's time on a chart."""
+    try:
+        root = ET.fromstring(svg)
+    except ET.ParseError:  # (not XML: left as it is)
+        return svg
+    _flatten(root)
+    return ET.tostring(root, encoding="unicode")
+
+
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
           svg: bool) -> tuple[Optional[str], Optional[str]]:
     svg_text = png_rel = None
@@ -146,7 +178,7 @@ def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
             text = buf.getvalue()
-            svg_text = presentation_attributes(scoped_ids(text[text.find("<svg"):], name))
+            svg_text = lean(presentation_attributes(scoped_ids(text[text.find("<svg"):], name)))
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             fig.savefig(out_dir / f"{name}.png", format="png", dpi=PNG_DPI)
@@ -262,29 +294,64 @@ PARALLEL_MIN_CHARTS = 6
 MAX_WORKERS = 4
 
 
-def render_all(tasks: Sequence[tuple[Any, tuple]]) -> list[Chart]:
-    """Each (render_chart or render_legend, its arguments) drawn, in order: in worker processes, one per
-    CPU, when there are many (fork where this process holds no other thread, else spawn); in this process
-    when there are few, on one CPU, or when the pool fails."""
+def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Callable[[], list[Chart]]:
+    """Start drawing each (render_chart or render_legend, its arguments); returns the function that waits
+    for the Charts, in order. Many are drawn by worker processes, one per CPU (fork where this process
+    holds no other thread, else spawn), while this process goes on with other work; few, or on one CPU,
+    or when the pool fails, are drawn here when asked for."""
     workers = min(machine.usable_cpus(), MAX_WORKERS, len(tasks))
-    if workers > 1 and len(tasks) >= PARALLEL_MIN_CHARTS:
-        method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
-            else "spawn"
+    if workers < 2 or len(tasks) < PARALLEL_MIN_CHARTS:
+        return lambda: [fn(*args) for fn, args in tasks]
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+        else "spawn"
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
+        futures = [pool.submit(fn, *args) for fn, args in tasks]
+    except (OSError, RuntimeError) as e:  # (a pool that cannot start: draw them here)
+        log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
+        return lambda: [fn(*args) for fn, args in tasks]
+
+    def result() -> list[Chart]:
         try:
-            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)) as pool:
-                futures = [pool.submit(fn, *args) for fn, args in tasks]
-                return [f.result() for f in futures]
-        except (OSError, RuntimeError) as e:  # (a pool that cannot start or a worker that died: draw them here)
+            return [f.result() for f in futures]
+        except (OSError, RuntimeError) as e:  # (a worker that died: draw them here)
             log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
-    return [fn(*args) for fn, args in tasks]
+            return [fn(*args) for fn, args in tasks]
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+    return result
 
 
-def draw_all(views: Sequence[Optional[dict]]) -> None:
-    """Draw the charts and legends the views hold as (function, arguments) (their "charts" list and
-    "legend"), all at once (render_all), and put each Chart in its place."""
+def start_views(views: Sequence[Optional[dict]]) -> Callable[[], None]:
+    """Start drawing the charts and legends the views hold as (function, arguments) (their "charts" list
+    and "legend"), all at once (start_all); the function returned waits for them and puts each Chart in
+    its place."""
     views = [v for v in views if v]
     tasks = [t for v in views for t in [*v["charts"], *([v["legend"]] if v.get("legend") else [])]]
-    drawn = iter(render_all(tasks))
+    waiting = start_all(tasks)
+
+    def finish() -> None:
+        drawn = iter(waiting())
+        for v in views:
+            v["charts"] = [next(drawn) for _ in v["charts"]]
+            v["legend"] = next(drawn) if v.get("legend") else None
+
+    return finish
+
+
+def save_svgs(views: Sequence[Optional[dict]], out_dir: Path, rel_dir: str = "charts") -> None:
+    """Each drawn chart and legend of the views also as an SVG file beside the Markdown (a large report's
+    Markdown shows these instead of PNGs: the same drawing as the HTML's, not a second one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def saved(c: Optional[Chart]) -> Optional[Chart]:
+        if c is None or c.svg is None:
+            return c
+        (out_dir / f"{c.name}.svg").write_text(c.svg, encoding="utf-8")
+        return replace(c, png=f"{rel_dir}/{c.name}.svg")
+
     for v in views:
-        v["charts"] = [next(drawn) for _ in v["charts"]]
-        v["legend"] = next(drawn) if v.get("legend") else None
+        if v:
+            v["charts"] = [saved(c) for c in v["charts"]]
+            v["legend"] = saved(v.get("legend"))

@@ -39,7 +39,8 @@ def _memory_vs_drift(agg: dict, colours: dict[str, str]) -> list[C.Series]:
     return out
 
 
-def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
+def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], svg: bool,
+                 svg_legend: bool = False) -> Optional[dict]:
     """The quality section: one row per run and context depth (teacher-forced drift from the 16-bit KV
     baseline, beside the run's KV capacity and its continuation agreement) and a chart of mean KLD
     against context depth; None when no run measured quality."""
@@ -105,20 +106,21 @@ def quality_view(agg: dict, colours: dict[str, str], png_dir: Optional[Path], sv
         spec = C.ChartSpec("quality-kld", "Mean KLD from the 16-bit KV cache vs context depth",
                            "Context depth (tokens)", "Mean KLD (nats" + (", log scale)" if logy else ")"),
                            tuple(series), logx=True, logy=logy)
-        charts.append((C.render_chart, (spec, png_dir, svg)))  # drawn with the others (charts.draw_all)
+        charts.append((C.render_chart, (spec, png_dir, svg)))  # drawn with the others (charts.start_views)
     trade = _memory_vs_drift(agg, colours)
     if trade:
         charts.insert(0, (C.render_chart, (C.ChartSpec(
             "quality-memory", "KV memory per token vs drift, per KV dtype", "Mean KLD at the deepest depth (nats)",
             "KV cache bytes per token", tuple(trade), legend=True, data_ticks=False), png_dir, svg)))
     entries = [(s_.label, s_.colour, s_.marker) for s_ in series]
-    legend = (C.render_legend, ("quality-legend", entries, png_dir, False)) if entries and png_dir is not None \
-        else None
+    legend = (C.render_legend, ("quality-legend", entries, png_dir, svg_legend)) \
+        if entries and (png_dir is not None or svg_legend) else None
     table = Table(headers, rows, [False, False, False] + [True] * 13 + [False], kind="wide")
     return {"table": drop_empty(table, keep=4), "charts": charts, "notes": notes, "legend": legend,
             "legend_items": [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                              for lab, col, m in entries],
-            "methods": [f"{m}: {p}" if p else m for m, p in methods.items()]}
+            "methods": [f"{m}: {p}" if p else m for m, p in methods.items()],
+            "best": list(drawn.values()) if one_each else [str(r.get("label")) for r in runs]}
 
 
 def card_view(agg: dict) -> list[dict]:

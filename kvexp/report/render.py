@@ -20,7 +20,7 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from markupsafe import Markup
 
@@ -30,9 +30,10 @@ from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.planning import recompute
 from kvexp.report import charts as C, pdf
+from kvexp.report.digest import digest
 from kvexp.report.planner_view import planner_view
 from kvexp.report.quality_view import card_view, quality_view
-from kvexp.report.scenario_view import scenario_views
+from kvexp.report.scenario_view import CHART_RUNS, scenario_views
 from kvexp.report.setup_view import default_title, setup_view
 from kvexp.report.tables import write_csv
 from kvexp.report.templating import ReportError, environment, templates_dir
@@ -116,15 +117,36 @@ def skipped_runs(runs: list[dict]) -> list[dict[str, str]]:
 def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
                   svg: bool = True) -> dict:
     """Everything the templates show, as plain strings, tables and rendered charts."""
+    ctx, finish = start_context(aggregate, title, png_dir, svg)
+    finish()
+    return ctx
+
+
+def is_large(aggregate: dict) -> bool:
+    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS): its charts
+    show the best runs, its Markdown links them as SVG files and its PDF is a summary (report/digest.py)."""
+    return any(len(runs) > CHART_RUNS for _, runs in D.scenarios(aggregate))
+
+
+def start_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
+                  svg: bool = True) -> tuple[dict, Callable[[], None]]:
+    """build_context with its charts still being drawn (charts.start_views: in worker processes while
+    this one goes on): (the context, the function that waits for the charts and puts them in it)."""
     if not isinstance(aggregate, dict) or not isinstance(aggregate.get("runs"), list):
         raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
     runs = aggregate["runs"]
     keys = {str(r.get("label")): colour_key(r) for r in runs}
     by_key = C.colour_map(keys.values())
     colours = {label: by_key[k] for label, k in keys.items()}
+    warnings = FL.level_warnings(aggregate)
+    # a large report's Markdown shows the charts as SVG files (the HTML's drawing), not a second drawing
+    svg_files = png_dir is not None and is_large(aggregate)
+    chart_png, chart_svg = (None, True) if svg_files else (png_dir, svg)
+    scenarios = scenario_views(aggregate, colours, warnings, chart_png, chart_svg, svg_files)
+    quality = quality_view(aggregate, colours, chart_png, chart_svg, svg_files)
+    drawing = C.start_views([*scenarios, quality])  # every chart at once, while the rest is made
     said = interpretation(aggregate)  # computed once, by collect, for an aggregate it made
     findings = F.compute_findings({**aggregate, "kv_cards": said["kv_cards"]})
-    warnings = FL.level_warnings(aggregate)
     groups = []
     checks = recompute.check_document(aggregate)
     if checks:
@@ -137,10 +159,7 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     failures = [{"label": str(r.get("label")), "status": D.run_status(r), "scenario": str(r.get("scenario")),
                  "reason": _tail(r.get("status_reason")) or "no reason recorded"}
                 for r in runs if D.run_status(r) in ("failed", "partial", "skipped")]
-    scenarios = scenario_views(aggregate, colours, warnings, png_dir, svg)
-    quality = quality_view(aggregate, colours, png_dir, svg)
-    C.draw_all([*scenarios, quality])  # every chart at once: in parallel where there are many
-    return {
+    ctx = {
         "verdicts": said["verdicts"],
         "skipped": skipped_runs(runs),
         "recommendations": [r["sentence"] for r in said["recommendations"]],
@@ -157,7 +176,15 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "failures": failures,
         "not_exposed": registry.NOT_EXPOSED,
         "not_recorded": registry.NOT_RECORDED,
+        "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
     }
+
+    def finish() -> None:
+        drawing()
+        if svg_files:
+            C.save_svgs([*scenarios, quality], png_dir)  # type: ignore[arg-type]
+
+    return ctx, finish
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,9 +208,14 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         validate_document(aggregate, "aggregate")
     want_svg = "html" in formats or "pdf" in formats
     png_dir = out_dir / "charts" if "md" in formats else None
-    ctx = build_context(aggregate, title, png_dir, want_svg)
-    env = environment()
+    ctx, charts_drawn = start_context(aggregate, title, png_dir, want_svg)
     files = ReportFiles()
+    try:  # what needs no chart is written while the charts are drawn
+        data = {"json": atomic_write(out_dir / FILES["json"], json_text(aggregate)),
+                "csv": write_csv(aggregate, out_dir / FILES["csv"])}
+    finally:
+        charts_drawn()
+    env = environment()
     if "md" in formats:
         files["md"] = atomic_write(out_dir / FILES["md"], env.get_template("report.md.j2").render(ctx))
         if png_dir is not None and png_dir.is_dir():
@@ -195,9 +227,10 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
         html = env.get_template("report.html.j2").render(ctx)
         if "html" in formats:
             files["html"] = atomic_write(out_dir / FILES["html"], html)
-    files["json"] = atomic_write(out_dir / FILES["json"], json_text(aggregate))
-    files["csv"] = write_csv(aggregate, out_dir / FILES["csv"])
+    files.update(data)
     if "pdf" in formats and html is not None:
+        if is_large(aggregate):  # a summary: the full tables are in the CSV and the HTML
+            html = env.get_template("report.html.j2").render(digest(ctx, aggregate))
         try:
             files["pdf"] = pdf.write(html, out_dir / FILES["pdf"], out_dir)
         except pdf.PDFUnavailable as e:

@@ -25,9 +25,13 @@ from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_CO
 CHART_RUNS = 10
 
 
-def best_runs(runs: list[dict]) -> list[dict]:
-    """The runs a scenario's charts (and a large report's PDF) show: all, or the CHART_RUNS best."""
-    return runs if len(runs) <= CHART_RUNS else ranked(runs)[:CHART_RUNS]
+def best_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the runs a scenario's charts and a large report's PDF show: all, or the CHART_RUNS best; every run,
+    best first where they are cut)."""
+    if len(runs) <= CHART_RUNS:
+        return runs, runs
+    order = ranked(runs)
+    return order[:CHART_RUNS], order
 
 
 def _slug(s: str) -> str:
@@ -270,9 +274,10 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
 
 
 def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
-                   svg: bool) -> list[dict]:
+                   svg: bool, svg_legend: bool = False) -> list[dict]:
     """One section per scenario: its description, level and detail tables, warning codes and charts (each
-    chart and legend still to draw: (function, arguments) for charts.draw_all)."""
+    chart and legend still to draw: (function, arguments) for charts.start_views). svg_legend: the
+    legend too as SVG (for a large report's Markdown, charts.save_svgs)."""
     runs_all = list(agg.get("runs") or [])
     run_index = {id(r): i for i, r in enumerate(runs_all)}
     warn_codes: dict[tuple[int, int], list[str]] = {}
@@ -289,7 +294,7 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             stem += "-x"
         stems.add(stem)
         main, details, codes = _level_tables(runs, warn_codes, run_index)
-        shown = best_runs(runs)
+        shown, order = best_runs(runs)
         cut = len(shown) < len(runs)
         # the best runs of a large scenario take the palette's first (most distinct) colours, best first
         tint = {str(r.get("label")): C.PALETTE[i] for i, r in enumerate(shown)} if cut else colours
@@ -307,8 +312,8 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
         entries = [(names[str(r.get("label"))], tint[str(r.get("label"))], C.marker(r.get("backend")))
                    for r in shown if any(D.usable(r, lv) for lv in r.get("levels") or [])]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
-        legend = (C.render_legend, (f"{stem}-legend", entries, png_dir, False)) \
-            if entries and charts and png_dir is not None else None
+        legend = (C.render_legend, (f"{stem}-legend", entries, png_dir, svg_legend)) \
+            if entries and charts and (png_dir is not None or svg_legend) else None
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
         # a trace's or a dataset's own lengths, not the scenario's, are what was sent
@@ -334,6 +339,7 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             "kv_label_note": any(D.kv_name(r).source == "label" for r in runs), "charts": charts, "legend": legend,
             "legend_items": legend_items,
             "notes": notes, "failed": failed, "best": [str(r.get("label")) for r in shown], "runs": len(runs),
+            "ranking": [str(r.get("label")) for r in order],
         })
     return out
 

@@ -16,14 +16,14 @@ from jinja2 import Environment
 from kvexp import backends
 from kvexp.analysis.aggregate import collect, run_of, verdicts_of
 from kvexp.analysis.documents import run_status, scenarios
-from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
-from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
+from kvexp.analysis.recommend import slo_of
+from kvexp.analysis.verdict import short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
 from kvexp.planning import prediction, whatif
 from kvexp.report import pdf
-from kvexp.report.tables import Table, header, numeric, text_table
+from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
@@ -43,14 +43,6 @@ def columns_for(levels: list[dict[str, Any]]) -> list[str]:
     extra = [k for k in OPTIONAL_COLUMNS if any((lv.get(k) or 0) > 0 if k == "repeat"
                                                 else registry.level_value(lv, k) is not None for lv in levels)]
     return [COLUMNS[0], *(k for k in extra if k == "repeat"), *COLUMNS[1:], *(k for k in extra if k != "repeat")]
-
-
-def level_name(level: dict[str, Any]) -> str:
-    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
-    if level.get("concurrency") is None and level.get("rate") is not None:
-        achieved = level.get("achieved_rate")
-        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
-    return registry.format_value("concurrency", level.get("concurrency"))
 
 
 def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
@@ -257,26 +249,10 @@ def end_of_run_text(agg: dict[str, Any]) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
     lines = [f"verdict: {v.sentence}" for v in verdicts_of(agg)] or ["verdict: no job measured comparable levels"]
-    runs = list(agg.get("runs") or [])
     names: dict[str, str] = {}
     for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
         names.update(short_names(scenario_runs))
-    rows = []
-    slos = any(slo_of(r) for r in runs)
-    for r in runs:
-        peak = peak_level(r)
-        bpt = bytes_per_token(r)
-        slo = slo_of(r)
-        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if run_status(r) != "skipped" else "—"]
-                   if slos else [])
-        figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
-                   + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
-                   if peak else [registry.UNKNOWN] * 4)
-        rows.append([str(r.get("label")), names[str(r.get("label"))], run_status(r), *figures,
-                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
-    head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
-    head += ["SLO"] if slos else []
-    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)))
+    return "\n".join(lines + text_table(peak_table(list(agg.get("runs") or []), names)))
 
 
 # ---------------------------------------------------------------- the planner's table (`kvexp plan`)

@@ -15,6 +15,8 @@ from markupsafe import Markup, escape
 
 from kvexp.analysis import documents as D, flags as FL
 from kvexp.analysis.card import kv_cards
+from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
+from kvexp.analysis.verdict import bytes_per_token
 from kvexp.metrics.levels import level_x
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
@@ -145,6 +147,36 @@ def level_cell(run: dict, level: dict, key: str) -> str:
     exposed = True if not repeat and registry.level_value(level, key) is not None else D.exposes(run, key)
     return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=bool(run.get("tool")),
                                value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
+
+
+def level_name(level: dict[str, Any]) -> str:
+    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
+    if level.get("concurrency") is None and level.get("rate") is not None:
+        achieved = level.get("achieved_rate")
+        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    return registry.format_value("concurrency", level.get("concurrency"))
+
+
+def peak_table(runs: list[dict], names: dict[str, str], first: str = "job") -> Table:
+    """One row per run: its short name (names: label -> name), status, peak throughput and the level and
+    latencies there, KV bytes per token, and, where some run set a latency objective, its outcome (the
+    terminal's table at the end of a run, and a large report's PDF per scenario)."""
+    rows = []
+    slos = any(slo_of(r) for r in runs)
+    for r in runs:
+        peak = peak_level(r)
+        bpt = bytes_per_token(r)
+        slo = slo_of(r)
+        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if D.run_status(r) != "skipped" else "—"]
+                   if slos else [])
+        figures = ([registry.level_text(peak, "throughput_tok_s", failed=False, exposed=True), level_name(peak)]
+                   + [registry.level_text(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
+                   if peak else [registry.UNKNOWN] * 4)
+        rows.append([str(r.get("label")), names[str(r.get("label"))], D.run_status(r), *figures,
+                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
+    head = [first, "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
+    head += ["SLO"] if slos else []
+    return Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)
 
 
 def tool_name(run: dict) -> str:
