@@ -226,8 +226,9 @@ def job(templates: list[dict[str, Any]], i: int, seed: int = 0) -> tuple[dict[st
     return res, _request_lines(res, rng)
 
 
-def write_sweep(out: Path, runs: int, seed: int = 0) -> dict[str, int]:
-    """Write a sweep of `runs` job folders under out; returns counts (runs, levels, requests, bytes)."""
+def write_sweep(out: Path, runs: int, seed: int = 0, requests: bool = True) -> dict[str, int]:
+    """Write a sweep of `runs` job folders under out; returns counts (runs, levels, requests, bytes).
+    requests=False: no requests.jsonl (a test of the report, which never opens them, writes less)."""
     templates = _templates()
     out.mkdir(parents=True, exist_ok=True)
     (out / "multirun.yaml").write_text("hydra:\n  mode: MULTIRUN\n")
@@ -242,7 +243,10 @@ def write_sweep(out: Path, runs: int, seed: int = 0) -> dict[str, int]:
         (d / ".hydra" / "config.yaml").write_text(f"label: {res['label']}\n")
         text = json.dumps(res, indent=1) + "\n"
         (d / "result.json").write_text(text)
-        (d / "requests.jsonl").write_text(lines)
+        if requests:
+            (d / "requests.jsonl").write_text(lines)
+        else:
+            lines = ""
         (d / "summary.md").write_text(f"# {res['label']}\n")
         counts["levels"] += len(res["levels"])
         counts["requests"] += lines.count("\n")
