@@ -303,7 +303,7 @@ def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Callable[[], list[Chart]]:
     if workers < 2 or len(tasks) < PARALLEL_MIN_CHARTS:
         return lambda: [fn(*args) for fn, args in tasks]
     method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
-        else "spawn"
+        else "spawn"  # (as kvexp.report.pdf starts its workers)
     try:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
         futures = [pool.submit(fn, *args) for fn, args in tasks]
