@@ -90,11 +90,21 @@ def _nonblocking(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK)
 
 
+READ_CHUNK = 1 << 20
+
+
 def read_regular(path: Path, limit: int) -> bytes:
     """A regular file's bytes, at most `limit` of them (open_regular says what is refused); read with a
     bounded read, so that a file growing while it is read cannot take more."""
+    chunks, total = [], 0
     with open_regular(path, limit) as f:
-        data = f.read(limit + 1)
+        while total <= limit:  # in pieces: a read of limit + 1 bytes would allocate them all at once
+            chunk = f.read(min(READ_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise FileRefused(f"{path}: larger than {size_text(limit)}; not a kvexp file")
     return data
