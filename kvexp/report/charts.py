@@ -13,7 +13,6 @@ import math
 import multiprocessing
 import re
 import threading
-import xml.etree.ElementTree as ET
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +44,7 @@ def marker(backend: Any) -> str:
 
 MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
 MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
+MAX_LABELLED_SERIES = 4  # above this many lines a chart labels each line's first and last point only
 FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page
 PNG_DPI = 110
 _RC = {
@@ -140,34 +140,37 @@ def presentation_attributes(svg: str) -> str:
     return _STYLED_TAG.sub(one, svg)
 
 
-_SVG, _XLINK = "http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"
-ET.register_namespace("", _SVG)
-ET.register_namespace("xlink", _XLINK)
-
-
-def _flatten(el: Any) -> None:
-    kept = []
-    for child in el:
-        if child.tag == f"{{{_SVG}}}metadata":
-            continue
-        _flatten(child)
-        if child.tag == f"{{{_SVG}}}g" and set(child.attrib) <= {"id"} and not (child.text or "").strip():
-            kept.extend(child)  # its children, in its place
-        else:
-            kept.append(child)
-    el[:] = kept
+_BARE_GROUP = re.compile(r'\s*<g(?: id="[^"]*")?>\s*')
+_GROUP_START = re.compile(r'\s*<g\b[^<>]*[^/<>]>\s*')
 
 
 def lean(svg: str) -> str:
     """matplotlib's SVG without what draws nothing: its RDF metadata, and the <g id=...> wrapped around
     every artist (a group with no attribute but its id: nothing refers to it, and its children draw the
-    same without it). Half the elements go, and with them half of WeasyPrint's time on a chart."""
-    try:
-        root = ET.fromstring(svg)
-    except ET.ParseError:  # (not XML: left as it is)
-        return svg
-    _flatten(root)
-    return ET.tostring(root, encoding="unicode")
+    same without it). Half the elements go, and with them much of WeasyPrint's time on a chart. matplotlib
+    writes each group's tags on lines of their own; an SVG not written so is left as it is."""
+    out: list[str] = []
+    kept: list[bool] = []  # per open group: whether its tags are kept
+    metadata = False
+    for line in svg.split("\n"):
+        tag = line.strip()
+        if metadata or tag == "<metadata>":
+            metadata = tag != "</metadata>"
+            continue
+        if _BARE_GROUP.fullmatch(line):
+            kept.append(False)
+            continue
+        if _GROUP_START.fullmatch(line):
+            kept.append(True)
+        elif tag == "</g>":
+            if not kept:
+                return svg
+            if not kept.pop():
+                continue
+        elif "<g" in line or "</g>" in line:
+            return svg  # (a group's tag beside others: not matplotlib's layout)
+        out.append(line)
+    return "\n".join(out) if not kept and not metadata else svg
 
 
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
@@ -237,8 +240,9 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             xs_all.update(x for x, _ in pts)
             ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
                     markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
-            for (x, y), text in zip(pts, s.point_labels):
-                if not math.isnan(y):
+            ends = len(spec.series) > MAX_LABELLED_SERIES  # (every point's label would overlap another's)
+            for i, ((x, y), text) in enumerate(zip(pts, s.point_labels)):
+                if not math.isnan(y) and (not ends or i in (0, len(pts) - 1)):
                     ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
                                 color=s.colour, annotation_clip=False)  # (its point is data: inside the axes)
         for y, _what in spec.hlines:
