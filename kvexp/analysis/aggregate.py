@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 
 from kvexp.analysis.card import kv_cards
 from kvexp.analysis.recommend import recommendations
-from kvexp.analysis.verdict import verdicts
+from kvexp.analysis.verdict import Verdict, verdicts
 from kvexp.core import __version__
 from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
@@ -16,13 +16,15 @@ from kvexp.results.store import ResultError, find_results, load_any
 from kvexp.results.validate import SCHEMA_VERSION, validate_document
 
 
-def collect(paths: Iterable[Path]) -> dict[str, Any]:
-    """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
+def collect(paths: Iterable[Path], results: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """One aggregate from any mix of sweep folders, job folders, result files and aggregates, each file read
+    once; its verdicts, recommendations and KV cards computed once, here, for every output to read
+    (interpretation). `results`: a list that receives the job results read (a sweep's timing reads them)."""
     runs: list[dict[str, Any]] = []
     configs: list[Optional[dict[str, Any]]] = []  # each run's config, where its result is read here
     calibration: list[dict[str, Any]] = []
     planner = None
-    results: list[dict[str, Any]] = []
+    results = [] if results is None else results
     gpu, gpu_gib, environment_ = None, None, None
     foreign_levels: list[Any] = []
     for path in find_results(paths):
@@ -60,11 +62,30 @@ def collect(paths: Iterable[Path]) -> dict[str, Any]:
         "calibration": calibration,
         "planner": planner,
     }
-    agg["recommendations"] = recommendations(agg)
-    agg["verdicts"] = [v.to_json() for v in verdicts(agg)]
-    agg["kv_cards"] = kv_cards(agg)
+    agg.update(interpretation(agg))
     validate_document(agg, "aggregate", where="aggregate")
     return agg
+
+
+INTERPRETED = ("recommendations", "verdicts", "kv_cards")  # what collect computes once per aggregate
+
+
+def interpretation(agg: dict[str, Any]) -> dict[str, Any]:
+    """{recommendations, verdicts (as JSON), kv_cards}: those the aggregate holds (collect computed them),
+    else computed now (an aggregate built by hand, or a document from before they were recorded)."""
+    out = {k: agg[k] for k in INTERPRETED if isinstance(agg.get(k), list)}
+    if "recommendations" not in out:
+        out["recommendations"] = recommendations(agg)
+    if "verdicts" not in out:
+        out["verdicts"] = [v.to_json() for v in verdicts(agg)]
+    if "kv_cards" not in out:
+        out["kv_cards"] = kv_cards(agg)
+    return out
+
+
+def verdicts_of(agg: dict[str, Any]) -> list[Verdict]:
+    """The aggregate's verdicts (interpretation), as Verdicts."""
+    return [Verdict.from_json(v) for v in interpretation(agg)["verdicts"]]
 
 
 def run_of(result: dict[str, Any], source: str | None = None) -> dict[str, Any]:

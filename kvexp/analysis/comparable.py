@@ -78,6 +78,12 @@ def _fingerprint(run: dict) -> str:
     return json.dumps({k: v for k, v in run.items() if k not in ("label", "source")}, sort_keys=True, default=str)
 
 
+def _sketch(run: dict) -> str:
+    """A few of _fingerprint's fields, in its words: runs whose fingerprints agree agree in this."""
+    return json.dumps([run.get(k) for k in ("started_at", "backend", "model", "scenario", "kv_requested")]
+                      + [len(run.get("levels") or [])], default=str)
+
+
 def _status_reason(run: dict) -> Optional[str]:
     status = D.run_status(run)
     why = D.first_line(run.get("status_reason"), 160)
@@ -128,9 +134,18 @@ def _load_clusters(runs: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]
     best: list[tuple[dict, Any]] = []
     for i in range(len(loaded)):
         group = [loaded[i]]
+        # the group's extremes, kept as it grows (C.loads_differ over the group and one more, in O(1)); past
+        # the first run too loaded for it, every later one is too (sorted by load per core)
+        lo_core = hi_core = loaded[i][1][0] / loaded[i][1][2]
+        lo_steal = hi_steal = loaded[i][1][1]
         for rv in loaded[i + 1:]:
-            if not C.loads_differ([v for _, v in group] + [rv[1]]):
+            core, steal = rv[1][0] / rv[1][2], rv[1][1]
+            if core - lo_core > C.LOAD_PER_CORE_DIFF:
+                break
+            if not C.loads_differ([(lo_core, lo_steal, 1), (hi_core, hi_steal, 1), (core, steal, 1)]):
                 group.append(rv)
+                lo_core, hi_core = min(lo_core, core), max(hi_core, core)
+                lo_steal, hi_steal = min(lo_steal, steal), max(hi_steal, steal)
         if len(group) > len(best):
             best = group
     kept_ids = {id(r) for r, _ in best}
@@ -151,16 +166,28 @@ def partition(runs: list[dict]) -> tuple[list[Field], list[Left]]:
     A field holds two or more runs; a lone run that nothing excludes is a field of one."""
     left: list[Left] = []
     seen: dict[str, str] = {}
+    alike: dict[str, list[dict]] = {}  # runs by a few of their fields: only runs alike in these can be copies
+    fps: dict[int, str] = {}  # each run's whole-document fingerprint, made only where a copy is possible
+    named: set[int] = set()  # the runs whose fingerprint is in seen
+
+    def fp_of(x: dict) -> str:
+        return fps[id(x)] if id(x) in fps else fps.setdefault(id(x), _fingerprint(x))
+
     live: list[dict] = []
     for r in runs:
         label = str(r.get("label"))
         why = _status_reason(r)
         if why is None:
-            fp = _fingerprint(r)
-            if fp in seen:
-                why = f"it is an identical copy of {seen[fp]}: one run, counted once"
+            earlier = alike.setdefault(_sketch(r), [])
+            for o in earlier:  # the first of each fingerprint names it
+                if id(o) not in named:
+                    named.add(id(o))
+                    seen.setdefault(fp_of(o), str(o.get("label")))
+            copy_of = seen.get(fp_of(r)) if earlier else None
+            earlier.append(r)
+            if copy_of is not None:
+                why = f"it is an identical copy of {copy_of}: one run, counted once"
             else:
-                seen[fp] = label
                 if not _confirmed(r):
                     why = (f"its server did not confirm the KV dtype asked for ({r.get('kv_requested')}): "
                            "what ran is not known")

@@ -378,7 +378,7 @@ def compute_findings(aggregate: dict) -> list[Finding]:
     for scen, srun in fields:
         out += kv_gains(scen, srun, kv_bytes)
     out += quality_findings(aggregate)
-    out += card_findings(kv_cards(aggregate))
+    out += card_findings(aggregate["kv_cards"] if isinstance(aggregate.get("kv_cards"), list) else kv_cards(aggregate))
     for scen, srun in groups:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:

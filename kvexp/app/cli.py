@@ -264,8 +264,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.report.summary import end_of_run_text, job_results, sweep_timing, timing_line, write_sweep_outputs
-        from kvexp.results.store import load_document
+        from kvexp.report.summary import end_of_run_text, timing_line, write_sweep_outputs
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
@@ -274,8 +273,8 @@ class SweepCallback(Callback):  # type: ignore[misc]
             written = write_sweep_outputs(sweep_dir, wall, since)
             for p in written:
                 log.info("sweep: wrote %s", p)
-            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall, since)))
-            print(end_of_run_text(load_document(sweep_dir / "sweep.json")[1]), flush=True)
+            log.info("sweep: %s", timing_line(written.timing))  # what it read: each result is read once
+            print(end_of_run_text(written.aggregate), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 
@@ -382,7 +381,7 @@ def _report(args: argparse.Namespace) -> int:
     from kvexp.results.validate import ValidationFailed
 
     try:
-        written = render_report(agg, out, title=args.title)
+        written = render_report(agg, out, title=args.title, validated=True)  # collect checked it
     except ValidationFailed as e:  # what the report would write does not hold to its schema: name the field
         print(f"kvexp: report: {e}", file=sys.stderr)
         return 1

@@ -202,8 +202,9 @@ def shown_value(level: dict[str, Any], key: str) -> Optional[str]:
     (format it plainly): burst-delivered TPOT p50 shows the server's own TPOT marked "(server)", the
     other burst-delivered latencies "— (bursts)"; an under-sampled KV peak shows as a lower bound."""
     m = METRICS.get(key)
-    codes = {w.get("code") for w in level.get("warnings") or [] if isinstance(w, dict)} & \
-        set(m.disqualified_by if m else ())
+    if m is None or not m.disqualified_by or not level.get("warnings"):
+        return None  # no warning can disqualify it
+    codes = {w.get("code") for w in level.get("warnings") or [] if isinstance(w, dict)} & set(m.disqualified_by)
     if "bursts" in codes:
         server = level_value(level, "server.tpot_p50_ms")
         server = server if is_num(server) else level_value(level, "server.tpot_mean_ms")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D, flags as FL, runplan as RP
+from kvexp.analysis.recommend import ranked
 from kvexp.analysis.verdict import short_names
 from kvexp.metrics import registry
 from kvexp.metrics.levels import level_x
@@ -17,6 +18,20 @@ from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
 from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
                                  numeric, uniq)
+
+
+# A scenario of more runs than this charts its best ones only (recommend.ranked): a chart of a hundred lines
+# shows none of them, and each line costs drawing time; the tables keep every run.
+CHART_RUNS = 10
+
+
+def best_runs(runs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the runs a scenario's charts and a large report's PDF show: all, or the CHART_RUNS best; every run,
+    best first where they are cut)."""
+    if len(runs) <= CHART_RUNS:
+        return runs, runs
+    order = ranked(runs)
+    return order[:CHART_RUNS], order
 
 
 def _slug(s: str) -> str:
@@ -259,8 +274,10 @@ def _chart_specs(scen: str, stem: str, runs: list[dict], xkind: str, colours: di
 
 
 def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
-                   svg: bool) -> list[dict]:
-    """One section per scenario: its description, level and detail tables, warning codes and charts."""
+                   svg: bool, svg_legend: bool = False) -> list[dict]:
+    """One section per scenario: its description, level and detail tables, warning codes and charts (each
+    chart and legend still to draw: (function, arguments) for charts.start_views). svg_legend: the
+    legend too as SVG (for a large report's Markdown, charts.save_svgs)."""
     runs_all = list(agg.get("runs") or [])
     run_index = {id(r): i for i, r in enumerate(runs_all)}
     warn_codes: dict[tuple[int, int], list[str]] = {}
@@ -277,18 +294,26 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             stem += "-x"
         stems.add(stem)
         main, details, codes = _level_tables(runs, warn_codes, run_index)
-        kinds = uniq(level_x(lv)[0] for r in runs for lv in D.sorted_levels(r) if level_x(lv))
+        shown, order = best_runs(runs)
+        cut = len(shown) < len(runs)
+        # the best runs of a large scenario take the palette's first (most distinct) colours, best first
+        tint = {str(r.get("label")): C.PALETTE[i] for i, r in enumerate(shown)} if cut else colours
+        kinds = uniq(level_x(lv)[0] for r in shown for lv in D.sorted_levels(r) if level_x(lv))
         charts, notes = [], []
+        if cut:
+            notes.append(f"The charts show the {len(shown)} best of this scenario's {len(runs)} runs (by capacity "
+                         "within the latency objective where one was set, else by peak throughput); the tables "
+                         "and comparison.csv hold every run.")
         for xkind in kinds:
-            specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
+            specs, n = _chart_specs(scen, stem, shown, xkind, tint, agg, plans)
             notes += n
-            charts += [C.render_chart(s, png_dir, svg) for s in specs]
-        names = short_names(runs)  # backend + KV dtype (+ model where it varies), not job ids
-        entries = [(names[str(r.get("label"))], colours[str(r.get("label"))], C.marker(r.get("backend")))
-                   for r in runs if any(D.usable(r, lv) for lv in r.get("levels") or [])]
+            charts += [(C.render_chart, (s, png_dir, svg)) for s in specs]  # drawn below, all at once
+        names = short_names(shown)  # backend + KV dtype (+ model where it varies), not job ids
+        entries = [(names[str(r.get("label"))], tint[str(r.get("label"))], C.marker(r.get("backend")))
+                   for r in shown if any(D.usable(r, lv) for lv in r.get("levels") or [])]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
-        legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
-            if entries and charts and png_dir is not None else None
+        legend = (C.render_legend, (f"{stem}-legend", entries, png_dir, svg_legend)) \
+            if entries and charts and (png_dir is not None or svg_legend) else None
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
         # a trace's or a dataset's own lengths, not the scenario's, are what was sent
@@ -313,7 +338,8 @@ def scenario_views(agg: dict, colours: dict[str, str], warnings: list[FL.Flag], 
             "codes": [(c, FL.WARNING_CODES.get(c, c)) for c in codes],
             "kv_label_note": any(D.kv_name(r).source == "label" for r in runs), "charts": charts, "legend": legend,
             "legend_items": legend_items,
-            "notes": notes, "failed": failed,
+            "notes": notes, "failed": failed, "best": [str(r.get("label")) for r in shown], "runs": len(runs),
+            "ranking": [str(r.get("label")) for r in order],
         })
     return out
 

@@ -14,16 +14,16 @@ from typing import Any, Iterable, Optional
 from jinja2 import Environment
 
 from kvexp import backends
-from kvexp.analysis.aggregate import collect, run_of
+from kvexp.analysis.aggregate import collect, run_of, verdicts_of
 from kvexp.analysis.documents import run_status, scenarios
-from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
-from kvexp.analysis.verdict import bytes_per_token, short_names, verdicts
+from kvexp.analysis.recommend import slo_of
+from kvexp.analysis.verdict import short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
 from kvexp.planning import prediction, whatif
 from kvexp.report import pdf
-from kvexp.report.tables import Table, header, numeric, text_table
+from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
@@ -43,14 +43,6 @@ def columns_for(levels: list[dict[str, Any]]) -> list[str]:
     extra = [k for k in OPTIONAL_COLUMNS if any((lv.get(k) or 0) > 0 if k == "repeat"
                                                 else registry.level_value(lv, k) is not None for lv in levels)]
     return [COLUMNS[0], *(k for k in extra if k == "repeat"), *COLUMNS[1:], *(k for k in extra if k != "repeat")]
-
-
-def level_name(level: dict[str, Any]) -> str:
-    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
-    if level.get("concurrency") is None and level.get("rate") is not None:
-        achieved = level.get("achieved_rate")
-        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
-    return registry.format_value("concurrency", level.get("concurrency"))
 
 
 def cell(level: dict[str, Any], key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
@@ -123,18 +115,6 @@ def write_job_summary(result: dict[str, Any], out_dir: Path) -> Path:
     path = out_dir / "summary.md"
     path.write_text(render_job_summary(result))
     return path
-
-
-def job_results(sweep_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(sweep_dir.rglob(RESULT_FILE)):
-        try:
-            kind, doc = load_document(path)
-        except ResultError:
-            continue
-        if kind == "result":
-            out.append(doc)
-    return out
 
 
 def _when(stamp: Optional[str]) -> Optional[datetime]:
@@ -219,21 +199,30 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
     return out
 
 
+class SweepOutputs(list):
+    """The files write_sweep_outputs wrote, with the aggregate and the timing it made them from."""
+
+    aggregate: dict[str, Any]
+    timing: dict[str, Any]
+
+
 def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
-                        since: Optional[datetime] = None) -> list[Path]:
+                        since: Optional[datetime] = None) -> SweepOutputs:
     """The sweep's aggregate JSON, its Markdown summary and the full report (wall_s, since: sweep_timing)."""
-    agg = collect([sweep_dir])
-    written = []
+    results: list[dict[str, Any]] = []
+    agg = collect([sweep_dir], results)  # each result read once: its timing is summed from what collect read
+    written = SweepOutputs()
     path = sweep_dir / "sweep.json"
     write_json(path, agg, "aggregate")
     written.append(path)
     path = sweep_dir / "summary.md"
-    timing = sweep_timing(job_results(sweep_dir), wall_s, since)
+    timing = sweep_timing(results, wall_s, since)
+    written.aggregate, written.timing = agg, timing
     path.write_text(_env().get_template("sweep.md.j2").render(a=agg, runs=run_tables(agg), timing=timing))
     written.append(path)
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
-    written += list(render_report(agg, sweep_dir / "report").values())
+    written += list(render_report(agg, sweep_dir / "report", validated=True).values())
     return written
 
 
@@ -242,7 +231,7 @@ def write_job_report(job_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
     agg = collect([job_dir / RESULT_FILE])
-    return agg, list(render_report(agg, job_dir / "report").values())
+    return agg, list(render_report(agg, job_dir / "report", validated=True).values())
 
 
 def report_is_current(folder: Path, multirun: bool) -> bool:
@@ -259,27 +248,11 @@ def report_is_current(folder: Path, multirun: bool) -> bool:
 def end_of_run_text(agg: dict[str, Any]) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
-    lines = [f"verdict: {v.sentence}" for v in verdicts(agg)] or ["verdict: no job measured comparable levels"]
-    runs = list(agg.get("runs") or [])
+    lines = [f"verdict: {v.sentence}" for v in verdicts_of(agg)] or ["verdict: no job measured comparable levels"]
     names: dict[str, str] = {}
     for _, scenario_runs in scenarios(agg):  # named within their scenario, where the verdicts name them
         names.update(short_names(scenario_runs))
-    rows = []
-    slos = any(slo_of(r) for r in runs)
-    for r in runs:
-        peak = peak_level(r)
-        bpt = bytes_per_token(r)
-        slo = slo_of(r)
-        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if run_status(r) != "skipped" else "—"]
-                   if slos else [])
-        figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
-                   + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
-                   if peak else [registry.UNKNOWN] * 4)
-        rows.append([str(r.get("label")), names[str(r.get("label"))], run_status(r), *figures,
-                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
-    head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
-    head += ["SLO"] if slos else []
-    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)))
+    return "\n".join(lines + text_table(peak_table(list(agg.get("runs") or []), names)))
 
 
 # ---------------------------------------------------------------- the planner's table (`kvexp plan`)

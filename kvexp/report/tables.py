@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from markupsafe import Markup, escape
+
 from kvexp.analysis import documents as D, flags as FL
 from kvexp.analysis.card import kv_cards
+from kvexp.analysis.recommend import capacity, peak_level, slo_of, slo_outcome
+from kvexp.analysis.verdict import bytes_per_token
 from kvexp.metrics.levels import level_x
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
@@ -73,6 +77,20 @@ def md_table(t: Table, escape: bool = True) -> str:
     return "\n".join([head, rule, *body])
 
 
+def html_table(t: Table) -> Markup:
+    """The table as HTML, every cell escaped; a missing value's cell has the class "na". A template's
+    loop wrote the same markup at a thousandth of the speed (three loop variables per cell)."""
+    na = {registry.UNKNOWN, registry.NOT_EXPOSED, registry.NOT_RECORDED}
+    cls = ["num" if n else "" for n in t.numeric]
+    head = "".join(f'<th class="num">{escape(h)}</th>' if n else f"<th>{escape(h)}</th>"
+                   for h, n in zip(t.headers, t.numeric))
+    rows = "".join("<tr>" + "".join(f'<td class="{k}{" na" if c in na else ""}">{escape(c)}</td>'
+                                    for c, k in zip(row, cls)) + "</tr>\n" for row in t.rows)
+    cols = "".join(f'<col style="width: {w}%">' for w in t.widths)
+    return Markup(f'<table class="{escape(t.kind)}">\n<colgroup>{cols}</colgroup>\n<thead><tr>{head}</tr></thead>\n'
+                  f"<tbody>\n{rows}</tbody>\n</table>")
+
+
 def uniq(xs: Iterable[Any]) -> list[Any]:
     """The values in order of first appearance, without None, "" and repeats."""
     out: list[Any] = []
@@ -125,8 +143,40 @@ def level_cell(run: dict, level: dict, key: str) -> str:
     """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
     repeat = key in _REPEAT_KEYS
     failed = level.get("status") == "failed" or D.run_status(run) in ("failed", "skipped")
-    return registry.level_text(level, key, failed=failed, exposed=D.exposes(run, key), foreign=bool(run.get("tool")),
+    # whether another level has the figure matters only where this one has none (missing_text)
+    exposed = True if not repeat and registry.level_value(level, key) is not None else D.exposes(run, key)
+    return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=bool(run.get("tool")),
                                value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
+
+
+def level_name(level: dict[str, Any]) -> str:
+    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
+    if level.get("concurrency") is None and level.get("rate") is not None:
+        achieved = level.get("achieved_rate")
+        return f"{level['rate']:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    return registry.format_value("concurrency", level.get("concurrency"))
+
+
+def peak_table(runs: list[dict], names: dict[str, str], first: str = "job") -> Table:
+    """One row per run: its short name (names: label -> name), status, peak throughput and the level and
+    latencies there, KV bytes per token, and, where some run set a latency objective, its outcome (the
+    terminal's table at the end of a run, and a large report's PDF per scenario)."""
+    rows = []
+    slos = any(slo_of(r) for r in runs)
+    for r in runs:
+        peak = peak_level(r)
+        bpt = bytes_per_token(r)
+        slo = slo_of(r)
+        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if D.run_status(r) != "skipped" else "—"]
+                   if slos else [])
+        figures = ([registry.level_text(peak, "throughput_tok_s", failed=False, exposed=True), level_name(peak)]
+                   + [registry.level_text(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
+                   if peak else [registry.UNKNOWN] * 4)
+        rows.append([str(r.get("label")), names[str(r.get("label"))], D.run_status(r), *figures,
+                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
+    head = [first, "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
+    head += ["SLO"] if slos else []
+    return Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)
 
 
 def tool_name(run: dict) -> str:
@@ -155,6 +205,17 @@ def _flat_keys(level: dict) -> list[str]:
     return out
 
 
+def _flat_level(level: dict) -> dict[str, Any]:
+    """A level's values by _flat_keys' keys."""
+    out: dict[str, Any] = {}
+    for k, v in level.items():
+        if k in NESTED_LEVEL_BLOCKS and isinstance(v, dict):
+            out.update((f"{k}.{inner}", x) for inner, x in v.items())
+        else:
+            out[k] = v
+    return out
+
+
 def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
     """comparison.csv as values: its column names and one row per run and level (None where missing).
     The level columns are the registry's keys in its order (those some level has, and ALWAYS), then
@@ -173,7 +234,8 @@ def level_table(aggregate: dict) -> tuple[list[str], list[list[Any]]]:
         base = [r.get("label"), *([tool_name(r)] if tools else []), r.get("backend"), r.get("model"),
                 r.get("scenario"), kv.name, kv.source, D.run_status(r)]
         for lv in r.get("levels") or [{}]:
-            rows.append(base + [registry.level_value(lv, k) for k in level_keys]
+            flat = _flat_level(lv)  # (each nested block opened once per level, not once per column)
+            rows.append(base + [flat[k] if k in flat else registry.level_value(lv, k) for k in level_keys]
                         + (_card_cells(card.get(str(r.get("label"))), lv) if card else []))
     return head, rows
 
