@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from kvexp.analysis import documents as D
 from kvexp.analysis.aggregate import collect
@@ -24,7 +25,6 @@ from kvexp.report.render import render_report
 from kvexp.report.scenario_view import CHART_RUNS
 from kvexp.results import guards
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sweep_module():

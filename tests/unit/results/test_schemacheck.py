@@ -10,12 +10,12 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 from kvexp.analysis.aggregate import collect
 from kvexp.results import validate
 from kvexp.results.schemacheck import compile_schema
 
-FIXTURES = Path(__file__).parent / "fixtures"
 RESULTS = sorted(FIXTURES.glob("decision/*/result.json")) + [FIXTURES / "foreign" / "kvexp" / "result.json"]
 ODD = (None, True, False, 0, -1, 1.5, -0.5, 1e300, "", "x", "kvexp.job", [], [1], {}, {"a": 1}, float("nan"),
        2**70, "q8_0")
