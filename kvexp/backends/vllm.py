@@ -398,12 +398,6 @@ class VLLM(Adapter):
                                kv_budget_bytes=budget, gpu_memory_utilization=util,
                                tensor_parallel=b.tensor_parallel)
 
-    def places_own_threads(self) -> Optional[str]:
-        if self.cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in self.b.env:
-            return ("vLLM's CPU build binds its own OpenMP threads and keeps a CPU for its scheduler "
-                    "(VLLM_CPU_OMP_THREADS_BIND=auto)")
-        return None
-
     def unsupported_reason(self) -> Optional[str]:
         """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
         if self.kv_type.startswith("fp8") and self.cpu_build:

@@ -133,6 +133,7 @@ class ModelArch:
     context_length_tokens: Optional[int] = None  # the model's trained context, where known
     sliding_window: Optional[int] = None  # tokens a sliding-window layer attends to (None: no window)
     sliding_layers: Optional[int] = None  # how many of the layers slide (None or 0: every layer is global)
+    vocab_size: Optional[int] = None  # tokens of the tokenizer (a CPU server's RSS: kvexp/capacity/cpumemory.py)
 
     @property
     def windowed(self) -> bool:
