@@ -155,6 +155,10 @@ def planner_view(agg: dict) -> dict:
             "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
 
 
+def _gib3(v: Optional[float]) -> str:
+    return registry.UNKNOWN if v is None else f"{v:.3f}"  # MiB apart: the figures a prediction is held to
+
+
 def memory_view(agg: dict) -> Optional[Table]:
     """Each run's predicted peak memory beside the measured one: on the CPU the RSS of the server's
     processes, with the prediction's parts; on a GPU its memory (kvexp/planning/memory.py)."""
@@ -166,7 +170,7 @@ def memory_view(agg: dict) -> Optional[Table]:
                 continue
             err = c.error_pct
             rows.append([str(r.get("label")), D.backend_name(r.get("backend")), D.kv_name(r).display, c.words,
-                         format_value("peak_rss_gib", c.predicted_gib), format_value("peak_rss_gib", c.measured_gib),
+                         _gib3(c.predicted_gib), _gib3(c.measured_gib),
                          "—" if err is None else f"{err:+.1f}", parts_words(c)])
     if not rows:
         return None
