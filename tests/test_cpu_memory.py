@@ -36,25 +36,28 @@ def test_every_request_is_saved_but_those_still_in_a_slot():
 
 def test_the_rss_is_the_sum_of_its_parts_and_the_prompt_cache_is_capped():
     model = CpuMemoryModel("x", 30 * MIB, "calibrated", 100 * MIB, "limit")
-    out = cpumemory.predict_rss(model, vocab=None, weights_bytes=90 * MIB, kv_cache_bytes=20 * MIB, slots=2,
+    out = cpumemory.predict_rss(model, vocab=None, merges=None, weights_bytes=90 * MIB, kv_cache_bytes=20 * MIB,
+                                slots=2,
                                 levels=[(9, 1), (17, 2), (1000, 2)], request_state_bytes=MIB,
                                 buffers=cpumemory.ServerBuffers(MIB, 3 * MIB, None, "log"))
     assert out["levels_rss_gib"] == [round((30 + 90 + 4 + 20 + 8) / 1024, 6), round((30 + 90 + 4 + 20 + 15) / 1024, 6),
                                      round((30 + 90 + 4 + 20 + 100) / 1024, 6)]
     assert out["predicted_peak_rss_gib"] == out["levels_rss_gib"][-1] and out["prompt_cache_bytes"] == 100 * MIB
     assert out["sources"]["buffers_bytes"].startswith("log;")
-    unknown = cpumemory.predict_rss(CpuMemoryModel("x", 0, "s", logs_buffers=True), vocab=None, weights_bytes=None,
+    unknown = cpumemory.predict_rss(CpuMemoryModel("x", 0, "s", logs_buffers=True), vocab=None, merges=None,
+                                    weights_bytes=None,
                                     kv_cache_bytes=MIB, slots=1, levels=[(3, 1)], request_state_bytes=None)
     assert unknown["predicted_peak_rss_gib"] is None and unknown["prompt_cache_bytes"] is None
     assert "floor" in unknown["sources"]["buffers_bytes"]
 
 
-def test_the_runtime_grows_with_the_vocabulary_and_the_slots():
-    model = CpuMemoryModel("x", 10 * MIB, "s", runtime_per_vocab_bytes=300, runtime_per_slot_bytes=MIB,
-                           runtime_per_slot_vocab_bytes=20)
-    assert cpumemory.runtime_bytes(model, 1000, 4) == 10 * MIB + 300_000 + 4 * (MIB + 20_000)
-    assert cpumemory.runtime_bytes(model, None, 4) is None  # it depends on a vocabulary not known
-    assert cpumemory.runtime_bytes(CpuMemoryModel("y", 5, "s"), None, 2) == 5
+def test_the_runtime_grows_with_the_tokenizer_and_the_slots():
+    model = CpuMemoryModel("x", 10 * MIB, "s", runtime_per_vocab_bytes=300, runtime_per_merge_bytes=150,
+                           runtime_per_slot_bytes=MIB)
+    assert cpumemory.runtime_bytes(model, 1000, 900, 4) == 10 * MIB + 300_000 + 135_000 + 4 * MIB
+    assert cpumemory.runtime_bytes(model, 1000, None, 1) == 10 * MIB + 300_000 + MIB  # no BPE merges
+    assert cpumemory.runtime_bytes(model, None, None, 4) is None  # it depends on a vocabulary not known
+    assert cpumemory.runtime_bytes(CpuMemoryModel("y", 5, "s"), None, None, 2) == 5
 
 
 def test_a_windowed_models_state_keeps_at_most_a_window_in_its_sliding_layers():
@@ -91,9 +94,9 @@ def test_on_the_cpu_the_plan_predicts_the_rss_level_by_level(llama_server, tiny_
         pytest.skip("hardware: llama-server offloads to a GPU here")
     cpu = p["cpu_memory"]
     assert p["memory_measure"] == "rss" and p["predicted_peak_memory_gib"] == cpu["predicted_peak_rss_gib"]
-    vocab = 356  # the tiny model's tokenizer.ggml.tokens
-    assert cpu["runtime_bytes"] == (llamacpp.RUNTIME_BASE_BYTES + llamacpp.RUNTIME_PER_VOCAB_BYTES * vocab + 2 * (
-        llamacpp.RUNTIME_PER_SLOT_BYTES + llamacpp.RUNTIME_PER_SLOT_VOCAB_BYTES * vocab))  # smoke: 2 slots
+    vocab = 356  # the tiny model's tokenizer.ggml.tokens (no merges)
+    assert cpu["runtime_bytes"] == round(llamacpp.RUNTIME_BASE_BYTES + llamacpp.RUNTIME_PER_VOCAB_BYTES * vocab
+                                         + 2 * llamacpp.RUNTIME_PER_SLOT_BYTES)  # smoke: 2 slots
     assert cpu["requests_done"] == [1 + 8, 1 + 16]  # smoke: warm-up 1, 8 a level
     assert [r["predicted_rss_gib"] for r in p["levels"]] == cpu["levels_rss_gib"]
     assert cpu["levels_rss_gib"][0] < cpu["levels_rss_gib"][1]  # the prompt cache grows with the requests
@@ -120,7 +123,8 @@ def test_the_compute_buffer_is_resident_as_far_as_the_largest_batch_reached():
     b = ServerBuffers(MIB, 16 * MIB, 512, "log")
     assert b.resident(128) == MIB + 4 * MIB and b.resident(2048) == 17 * MIB and b.resident(None) == 17 * MIB
     model = CpuMemoryModel("x", 0, "s")
-    out = cpumemory.predict_rss(model, vocab=None, weights_bytes=0, kv_cache_bytes=0, slots=4, levels=[(3, 1), (7, 4), (9, 1)],
+    out = cpumemory.predict_rss(model, vocab=None, merges=None, weights_bytes=0, kv_cache_bytes=0, slots=4,
+                                levels=[(3, 1), (7, 4), (9, 1)],
                                 request_state_bytes=None, buffers=b, prompt_tokens=128)
     # one stream: a 128-token batch; four: 512, the whole buffer, which stays resident at the next level
     assert [round(v * 1024, 2) for v in out["levels_rss_gib"]] == [5.0, 17.0, 17.0]

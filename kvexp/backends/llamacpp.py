@@ -55,18 +55,18 @@ def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
 # Its resident memory on the CPU (kvexp/capacity/cpumemory.py): the runtime beside the weights, the buffers its
-# log states, the KV cache and the prompt cache, as base + per vocabulary entry (the tokenizer's tables) + per
-# slot (its state, and its sampler's array over the vocabulary). Fitted by least squares to the measured peak
-# RSS less those parts, per level, of 15 levels of llama-server 0.3.36-b2 on this machine (AMD EPYC, 2 cores):
-# SmolLM2-135M Q4_1 (49,152 vocabulary entries) and kvexp's tiny model (356), 1, 2 and 4 slots, -c 128 to
-# 4096, KV f16, q8_0 and q8_0/q4_0, scenarios smoke and cpu, the prompt cache on and off; every residual
-# within 2.8 MiB.
-RUNTIME_BASE_BYTES = round(17.25 * MIB)
-RUNTIME_PER_VOCAB_BYTES = 296
-RUNTIME_PER_SLOT_BYTES = round(0.59 * MIB)
-RUNTIME_PER_SLOT_VOCAB_BYTES = 26
-RUNTIME_SOURCE = ("fitted to the measured RSS of 15 levels of llama-server 0.3.36-b2 (SmolLM2-135M, kvexp's tiny "
-                  "model; 1-4 slots; kvexp/backends/llamacpp.py): base + per vocabulary entry + per slot")
+# log states, the KV cache and the prompt cache, as base + per vocabulary entry + per BPE merge (the tokenizer's
+# tables) + per slot. Fitted by least squares to the measured peak RSS less those parts, per level, of 19
+# levels of llama-server 0.3.36-b2 on this machine (AMD EPYC, 2 cores): SmolLM2-135M Q4_1 (49,152 tokens,
+# 48,900 merges), Gemma 3 270M Q4_K_M (262,144 tokens, no merges) and kvexp's tiny model (356 tokens), 1, 2
+# and 4 slots, -c 128 to 4096, KV f16, q8_0 and q8_0/q4_0, scenarios smoke and cpu, the prompt cache on and
+# off; every residual within 3.1 MiB.
+RUNTIME_BASE_BYTES = round(13.87 * MIB)
+RUNTIME_PER_VOCAB_BYTES = 213
+RUNTIME_PER_MERGE_BYTES = 161
+RUNTIME_PER_SLOT_BYTES = round(1.74 * MIB)
+RUNTIME_SOURCE = ("fitted to the measured RSS of 19 levels of llama-server 0.3.36-b2 (SmolLM2-135M, Gemma 3 270M, "
+                  "kvexp's tiny model; 1-4 slots; kvexp/backends/llamacpp.py): base + per token + per merge + per slot")
 PROMPT_CACHE_MIB = 8192  # llama-server's default --cache-ram (common/common.h: cache_ram_mib = 8192)
 # `sched_reserve:        CPU compute buffer size =    13.76 MiB`, `llama_context:        CPU  output buffer size
 # =     0.75 MiB`, `load_tensors:   CPU_REPACK model buffer size =    ... MiB` (weights copied into memory of its
@@ -483,9 +483,10 @@ class LlamaCpp(Adapter):
         return CpuMemoryModel(
             "llamacpp", RUNTIME_BASE_BYTES, RUNTIME_SOURCE, limit,
             f"{why}; every request's state but those still in a slot "
-            f"({'idle slots saved when a task starts' if idle else '--no-cache-idle-slots'}; tools/server/server-task.cpp)",
-            runtime_per_vocab_bytes=RUNTIME_PER_VOCAB_BYTES, runtime_per_slot_bytes=RUNTIME_PER_SLOT_BYTES,
-            runtime_per_slot_vocab_bytes=RUNTIME_PER_SLOT_VOCAB_BYTES, logs_buffers=True, saves_idle_slots=idle)
+            f"({'idle slots saved when a task starts' if idle else '--no-cache-idle-slots'}; "
+            "tools/server/server-task.cpp)",
+            runtime_per_vocab_bytes=RUNTIME_PER_VOCAB_BYTES, runtime_per_merge_bytes=RUNTIME_PER_MERGE_BYTES,
+            runtime_per_slot_bytes=RUNTIME_PER_SLOT_BYTES, logs_buffers=True, saves_idle_slots=idle)
 
     @classmethod
     def logged_buffers(cls, log_text: str) -> Optional[ServerBuffers]:

@@ -6,9 +6,9 @@ alike, so the pages of a memory-mapped model file count once a process has touch
     predicted RSS at the end of a level = runtime + weights + buffers + KV cache + prompt cache so far
 
 runtime       the program, its libraries and interpreter, threads, the tokenizer's tables, each slot's state:
-              base + per vocabulary entry x vocabulary + slots x (per slot + per slot and entry x
-              vocabulary), each coefficient fitted per backend on this machine to measured runs; each
-              backend says which (`CpuMemoryModel.runtime_source`).
+              base + per vocabulary entry x vocabulary + per merge x a BPE tokenizer's merges + per slot x
+              slots, each coefficient fitted per backend on this machine to measured runs; each backend
+              says which (`CpuMemoryModel.runtime_source`).
 buffers       what the server allocates at start beside the mapped weights and the KV cache, as its own log
               states it (llama.cpp: `CPU output buffer size`, a copy of repacked weights `CPU_REPACK model
               buffer size`, and `CPU compute buffer size`, sized for a full micro-batch of n_ubatch tokens).
@@ -52,8 +52,8 @@ class CpuMemoryModel:
     prompt_cache_limit_bytes: Optional[int] = None
     prompt_cache_source: Optional[str] = None
     runtime_per_vocab_bytes: float = 0.0  # the tokenizer's tables, per vocabulary entry
-    runtime_per_slot_bytes: float = 0.0  # each slot's own state
-    runtime_per_slot_vocab_bytes: float = 0.0  # each slot's arrays over the vocabulary (a sampler's candidates)
+    runtime_per_merge_bytes: float = 0.0  # a BPE tokenizer's merge table, per merge
+    runtime_per_slot_bytes: float = 0.0  # each slot's own state (its sampler's arrays among it)
     logs_buffers: bool = False  # its log states its buffers (else they are part of the runtime)
     saves_idle_slots: bool = True  # a task that starts saves every idle slot's prompt (else only its own slot's)
 
@@ -75,14 +75,13 @@ class ServerBuffers:
         return self.fixed_bytes + self.compute_bytes * min(1.0, batch_tokens / self.ubatch_tokens)
 
 
-def runtime_bytes(model: CpuMemoryModel, vocab: Optional[int], slots: int) -> Optional[int]:
-    """The runtime part of the RSS for a model of `vocab` tokens served with `slots` slots (None: the
-    vocabulary is unknown and the backend's runtime depends on it)."""
-    if vocab is None and (model.runtime_per_vocab_bytes or model.runtime_per_slot_vocab_bytes):
+def runtime_bytes(model: CpuMemoryModel, vocab: Optional[int], merges: Optional[int], slots: int) -> Optional[int]:
+    """The runtime part of the RSS for a model whose tokenizer has `vocab` tokens and `merges` merges, served
+    with `slots` slots (None: the vocabulary is unknown and the backend's runtime depends on it)."""
+    if vocab is None and model.runtime_per_vocab_bytes:
         return None
-    v = vocab or 0
-    return round(model.runtime_base_bytes + model.runtime_per_vocab_bytes * v
-                 + max(1, slots) * (model.runtime_per_slot_bytes + model.runtime_per_slot_vocab_bytes * v))
+    return round(model.runtime_base_bytes + model.runtime_per_vocab_bytes * (vocab or 0)
+                 + model.runtime_per_merge_bytes * (merges or 0) + model.runtime_per_slot_bytes * max(1, slots))
 
 
 def state_bytes(tokens: int, bytes_per_token: float, window_bytes_per_token: Optional[float] = None,
@@ -102,12 +101,13 @@ def saved_prompts(model: CpuMemoryModel, requests_done: int, slots: int, concurr
     return max(0, requests_done - in_slots)
 
 
-def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], weights_bytes: Optional[float],
+def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], merges: Optional[int], weights_bytes: Optional[float],
                 kv_cache_bytes: Optional[float],
                 slots: int, levels: list[tuple[int, int]], request_state_bytes: Optional[float],
                 buffers: Optional[ServerBuffers] = None, prompt_tokens: Optional[float] = None) -> dict[str, Any]:
     """The predicted RSS of a server's process tree at the end of each level (`levels`: the requests the
-    server had served by then, warm-up included, and the level's concurrency), and its parts. Keys: predicted_peak_rss_gib (the
+    server had served by then, warm-up included, and the level's concurrency), and its parts. Keys:
+    predicted_peak_rss_gib (the
     last level's, None where the weights or the KV cache are unknown), levels_rss_gib (one per level),
     runtime_bytes, weights_bytes, kv_cache_bytes, prompt_cache_bytes (at the peak; None where the server
     keeps none), saved_prompts, buffers_bytes (at the peak; None: not known, left out), sources. buffers:
@@ -119,7 +119,7 @@ def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], weights_bytes: O
             cache.append(None if model.prompt_cache_limit_bytes is not None else 0.0)
         else:
             cache.append(min(float(model.prompt_cache_limit_bytes), n * request_state_bytes))
-    runtime = runtime_bytes(model, vocab, slots)
+    runtime = runtime_bytes(model, vocab, merges, slots)
     known = weights_bytes is not None and kv_cache_bytes is not None and runtime is not None
     resident: list[float] = []  # the buffers resident by the end of each level: the largest batch so far
     batch = 0.0
@@ -129,7 +129,9 @@ def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], weights_bytes: O
     levels_gib = [None if not known or c is None else
                   round((runtime + weights_bytes + b + kv_cache_bytes + c) / GIB_BYTES, 6)  # type: ignore[operator]
                   for c, b in zip(cache, resident)]
-    sources = {"runtime_bytes": model.runtime_source + ("" if vocab is None else f"; vocabulary {vocab:,} tokens"),
+    tokenizer = "" if vocab is None else f"; a tokenizer of {vocab:,} tokens" + (
+        f" and {merges:,} merges" if merges else "")
+    sources = {"runtime_bytes": model.runtime_source + tokenizer,
                "weights_bytes": "the model's files on disk (mapped or loaded, resident once read)",
                "kv_cache_bytes": "the planner's KV cache (allocated and cleared at start)",
                "buffers_bytes": f"{buffers.source}; the compute buffer as far as a level's batches reach "

@@ -97,8 +97,9 @@ def cpu_rss(cfg: ExperimentConfig, spec: ServerSpec, arch: ModelArch, out: dict[
     state = None if bpt is None else cpumemory.state_bytes(tokens, bpt, out.get("kv_window_bytes_per_token"),
                                                              out.get("sliding_window"))
     done = requests_done(cfg)
-    cpu = cpumemory.predict_rss(spec.cpu_memory, vocab=arch.vocab_size,  # type: ignore[arg-type]
-                                weights_bytes=None if arch.weights_gib is None else arch.weights_gib * planner.GIB_BYTES,
+    weights = None if arch.weights_gib is None else arch.weights_gib * planner.GIB_BYTES
+    cpu = cpumemory.predict_rss(spec.cpu_memory, vocab=arch.vocab_size, merges=arch.vocab_merges,  # type: ignore[arg-type]
+                                weights_bytes=weights,
                                 kv_cache_bytes=out.get("kv_cache_bytes"), slots=spec.slots or 1,
                                 levels=[(n, row["concurrency"]) for n, row in zip(done, out["levels"])],
                                 request_state_bytes=state, prompt_tokens=prompt,
