@@ -70,7 +70,7 @@ RUNTIME_SOURCE = ("fitted to the measured RSS of 19 levels of llama-server 0.3.3
 PROMPT_CACHE_MIB = 8192  # llama-server's default --cache-ram (common/common.h: cache_ram_mib = 8192)
 # `sched_reserve:        CPU compute buffer size =    13.76 MiB`, `llama_context:        CPU  output buffer size
 # =     0.75 MiB`, `load_tensors:   CPU_REPACK model buffer size =    ... MiB` (weights copied into memory of its
-# own; a `*_Mapped` model buffer is the mapped file, counted as the weights)
+# own; a `CPU_Mapped` model buffer is the mapped file and a plain `CPU` one the file read in: the weights)
 BUFFER_LINE = re.compile(r"(\w+)\s+(compute|output|model) buffer size =\s*([\d.]+) MiB")
 UBATCH_LINE = re.compile(r"llama_context: n_ubatch\s*=\s*(\d+)")
 # a line of `llama-server --help` that names an option: its spellings, then the placeholder of its value(s)
@@ -83,7 +83,9 @@ def logged_buffers(log_text: str) -> Optional[ServerBuffers]:
     the micro-batch the compute buffer is sized for; None where it states none."""
     found: dict[tuple[str, str], float] = {}
     for m in BUFFER_LINE.finditer(log_text):
-        if m.group(2) != "model" or not m.group(1).endswith("_Mapped"):
+        # a *_Mapped model buffer is the mapped file and a plain CPU one the file read into memory (no mmap):
+        # the weights, counted as the file; others (CPU_REPACK, AMX) are copies beside it
+        if m.group(2) != "model" or not (m.group(1).endswith("_Mapped") or m.group(1) == "CPU"):
             found[(m.group(1), m.group(2))] = float(m.group(3))
     if not found:
         return None

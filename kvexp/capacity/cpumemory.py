@@ -54,6 +54,7 @@ class CpuMemoryModel:
     runtime_per_vocab_bytes: float = 0.0  # the tokenizer's tables, per vocabulary entry
     runtime_per_merge_bytes: float = 0.0  # a BPE tokenizer's merge table, per merge
     runtime_per_slot_bytes: float = 0.0  # each slot's own state (its sampler's arrays among it)
+    weights_factor: float = 1.0  # resident bytes per byte of the model's files (1: the files' pages, or one copy)
     logs_buffers: bool = False  # its log states its buffers (else they are part of the runtime)
     saves_idle_slots: bool = True  # a task that starts saves every idle slot's prompt (else only its own slot's)
 
@@ -61,12 +62,15 @@ class CpuMemoryModel:
 @dataclass(frozen=True)
 class ServerBuffers:
     """The buffers a server's log states at start: fixed_bytes resident from the start (output buffers,
-    repacked weights), compute_bytes sized for ubatch_tokens (None: resident whole), source: the lines."""
+    repacked weights), compute_bytes sized for ubatch_tokens (None: resident whole), source: the lines;
+    weights_bytes: the weights as the server holds them, where its log says and that is not the file's
+    size (Ollama's own engine: tensors it keeps in another type than the file's)."""
 
     fixed_bytes: int
     compute_bytes: int
     ubatch_tokens: Optional[int]
     source: str
+    weights_bytes: Optional[int] = None
 
     def resident(self, batch_tokens: Optional[float]) -> float:
         """What is resident once batches of up to batch_tokens have run (None: unknown, all of it)."""
@@ -120,6 +124,10 @@ def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], merges: Optional
         else:
             cache.append(min(float(model.prompt_cache_limit_bytes), n * request_state_bytes))
     runtime = runtime_bytes(model, vocab, merges, slots)
+    if buffers is not None and buffers.weights_bytes is not None:
+        weights_bytes = buffers.weights_bytes
+    elif weights_bytes is not None:
+        weights_bytes *= model.weights_factor
     known = weights_bytes is not None and kv_cache_bytes is not None and runtime is not None
     resident: list[float] = []  # the buffers resident by the end of each level: the largest batch so far
     batch = 0.0
@@ -132,7 +140,9 @@ def predict_rss(model: CpuMemoryModel, *, vocab: Optional[int], merges: Optional
     tokenizer = "" if vocab is None else f"; a tokenizer of {vocab:,} tokens" + (
         f" and {merges:,} merges" if merges else "")
     sources = {"runtime_bytes": model.runtime_source + tokenizer,
-               "weights_bytes": "the model's files on disk (mapped or loaded, resident once read)",
+               "weights_bytes": "the server's log (the weights as it holds them)"
+               if buffers is not None and buffers.weights_bytes is not None else
+               "the model's files on disk (mapped or loaded, resident once read)",
                "kv_cache_bytes": "the planner's KV cache (allocated and cleared at start)",
                "buffers_bytes": f"{buffers.source}; the compute buffer as far as a level's batches reach "
                "into it (min(concurrency, slots) x prompt tokens of its micro-batch)" if buffers else

@@ -25,7 +25,9 @@ def scenario_levels(cfg: ExperimentConfig) -> list[int]:
 
 
 def model_arch(cfg: ExperimentConfig, spec: ServerSpec) -> ModelArch:
-    return modelinfo.arch_for(cfg.model, adapter_class(spec.backend).model_field, spec.model_path)
+    """The served model's architecture: the file the server was given, else the field it serves from (Ollama
+    without a tag imports model.gguf)."""
+    return modelinfo.arch_for(cfg.model, adapter_class(spec.backend).served_field(cfg.model), spec.model_path)
 
 
 def plan_spec(arch: ModelArch, spec: ServerSpec, gpu_gib: Optional[float], *, prompt_tokens: int,
