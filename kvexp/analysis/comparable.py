@@ -52,21 +52,29 @@ def weights_words(run: dict) -> str:
     return model_file(run) if w == "—" else f"{w}, {model_file(run)}"
 
 
-def placement_key(run: dict) -> Optional[tuple[str, int]]:
-    """(mode, CPUs the server had) from environment.placement (None: not recorded, e.g. another tool's run)."""
+def placement_key(run: dict) -> Optional[tuple[str, tuple[int, ...]]]:
+    """(mode, the CPUs the server had) from environment.placement: the CPUs every thread of its process
+    tree was read back on (server_cpus_seen), else those it was pinned to (None: not recorded, e.g. another
+    tool's run). Two runs placed alike have the same key; a server whose processes ran outside the CPUs it
+    was given has the CPUs it ran on, so it is not compared with one that kept to them."""
     p = run.get("placement")
     if not isinstance(p, dict) or not p.get("mode"):
         return None
-    cpus = p.get("server_cpus") or p.get("server_cpus_seen") or []
-    return str(p["mode"]), len(cpus) if isinstance(cpus, list) else 0
+    cpus = p.get("server_cpus_seen") or p.get("server_cpus") or []
+    return str(p["mode"]), tuple(sorted(int(c) for c in cpus)) if isinstance(cpus, list) else ()
 
 
-def placement_words(key: Optional[tuple[str, int]]) -> str:
+def _cpu_words(cpus: tuple[int, ...]) -> str:
+    return f"CPU{'s' if len(cpus) != 1 else ''} {','.join(map(str, cpus))}"
+
+
+def placement_words(key: Optional[tuple[str, tuple[int, ...]]]) -> str:
     if key is None:
         return "placement not recorded"
-    mode, n = key
-    return f"the server pinned to {n} CPU{'s' if n != 1 else ''}" if mode == "split" and n \
-        else "the server sharing every CPU with the client"
+    mode, cpus = key
+    if mode == "split" and cpus:
+        return f"the server's processes on {_cpu_words(cpus)}"
+    return "the server sharing every CPU with the client" + (f" ({_cpu_words(cpus)})" if cpus else "")
 
 
 def _confirmed(run: dict) -> bool:

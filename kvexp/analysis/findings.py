@@ -132,6 +132,11 @@ def best_overall(scenario: str, runs: list[dict]) -> list[Finding]:
                          f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}{setup_difference(run, r2)}")
                 if vd.measurable:
                     tail = f"; the runner-up, {other}, shows {vd.phrase}"
+                elif vd.dispersed:  # the verdict's words: no tie, no winner, and what to run
+                    lead, tail = "the highest throughput cannot be told apart between", \
+                        f", and {other}: {noise.DISPERSED}"
+                elif vd.basis == "machine load":
+                    lead, tail = "the highest throughput is not comparable between", f", and {other}: {vd.reason}"
                 else:
                     lead, tail = "the highest throughput is a tie between", f", and {other}: {vd.phrase}"
         out.append(Finding(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvexp.app import stdout
-from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only, fair_field,
+from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
                                hydra_argv, ignored_keys_note, kv_choices, printable, refuse_repeats,
                                refuse_unread, safe_name, sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
@@ -61,11 +61,6 @@ def run_experiment(argv: list[str]) -> int:
     given = [a for a in argv if not a.startswith("-")]
     overrides, backend_only = backend_only_keys(given)
     argv = [overrides[given.index(a)] if not a.startswith("-") else a for a in argv]
-    fair = fair_field(overrides) if multirun else None
-    if fair is not None:  # several backends in one sweep: every server placed alike (docs/decisions.md)
-        overrides, argv = [*overrides, fair], [*argv, fair]
-        print(f"kvexp: several backends in one sweep: every server shares the CPUs alike ({fair}; set "
-              "client.placement to choose)", file=sys.stderr)
     handlers = process.raise_on_signals()
     sweep: Optional[_Sweep] = None
     try:

@@ -168,10 +168,14 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
                                   ready_s=round(server.ready_s, 3),
                                   server_log=str(server.process.log_path))
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
-        res["environment"]["placement"] = backend.placement.to_json(placement.cpus_of(server and server.process.pid))
+        server_pid = server.process.pid if server else None
+        res["environment"]["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
         job.save()
         with placement.client_side(backend.placement):  # the server on its CPUs, the client on the others
             asyncio.run(_measure(job, backend, server, observer, arch))
+        seen = placement.tree_cpus(server_pid)  # after the levels: every process and thread the server started
+        if seen is not None:
+            res["environment"]["placement"] = backend.placement.to_json(seen)
         raise_if_interrupted()
         if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
@@ -278,7 +282,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         _record_kv(res, kv)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(backend, res, arch)
+        res["planner"] = _planner_block(backend, res, arch, log_text)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s, job.out_dir)
         res["workload"] = maker.describe()
@@ -533,12 +537,14 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
         return None
 
 
-def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch]) -> Optional[dict[str, Any]]:
+def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch],
+                   log_text: str = "") -> Optional[dict[str, Any]]:
     """The planner's prediction for the server that was launched, beside what will be measured
-    (None if it cannot plan)."""
+    (None if it cannot plan); its log so far gives the buffers it allocated at start (a CPU's RSS)."""
     try:
         return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
-                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch)
+                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch,
+                                  server_log=log_text or None)
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res["label"], e)
         return None

@@ -14,6 +14,7 @@ from kvexp.metrics import registry
 from kvexp.metrics.levels import level_x
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.planning import recompute, whatif
+from kvexp.planning.memory import memory_check, parts_words
 from kvexp.planning.calibration import CalibrationError, load as load_calibration
 from kvexp.report.setup_view import kv_capacity
 from kvexp.report.tables import Table, drop_empty, level_cell
@@ -150,8 +151,32 @@ def planner_view(agg: dict) -> dict:
         calibration = Table([h for _, h, _ in cols] + list(CHECK_HEADERS), rows,
                             [n for _, _, n in cols] + [True, True, False], kind="wide")
     return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
-            "calibration": calibration, "whatif": whatif_view(agg),
+            "memory": memory_view(agg), "calibration": calibration, "whatif": whatif_view(agg),
             "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
+
+
+def _gib3(v: Optional[float]) -> str:
+    return registry.UNKNOWN if v is None else f"{v:.3f}"  # MiB apart: the figures a prediction is held to
+
+
+def memory_view(agg: dict) -> Optional[Table]:
+    """Each run's predicted peak memory beside the measured one: on the CPU the RSS of the server's
+    processes, with the prediction's parts; on a GPU its memory (kvexp/planning/memory.py)."""
+    rows = []
+    for _, sruns in D.scenarios(agg):
+        for r in sruns:
+            c = memory_check(r)
+            if c is None:
+                continue
+            err = c.error_pct
+            rows.append([str(r.get("label")), D.backend_name(r.get("backend")), D.kv_name(r).display, c.words,
+                         _gib3(c.predicted_gib), _gib3(c.measured_gib),
+                         "—" if err is None else f"{err:+.1f}", parts_words(c)])
+    if not rows:
+        return None
+    return Table(["Run", "Backend", "KV", "Memory measured", "Planner peak (GiB)", "Measured peak (GiB)",
+                  "Measured vs planner (%)", "Planner's parts"], rows,
+                 [False] * 4 + [True] * 3 + [False], kind="wide")
 
 
 CHECK_HEADERS = ("kvexp planner (tokens)", "kvexp error (%)", "Document vs kvexp")

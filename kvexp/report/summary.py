@@ -21,7 +21,7 @@ from kvexp.analysis.verdict import short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.stats import UNSTABLE_CV
-from kvexp.planning import prediction, whatif
+from kvexp.planning import memory, prediction, whatif
 from kvexp.report import pdf
 from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
@@ -302,7 +302,9 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         c = p["calibrated"]
         c_conc = None if c is None else c[conc_key]
         peak = p["predicted_peak_memory_gib"]
-        peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
+        rss = p.get("memory_measure") == "rss"  # on the CPU: the RSS of the server's processes
+        peak_s = "-" if peak is None else f"{peak:.2f}" + (" RSS" if rss else "") + (
+            " (does not fit)" if p["fits"] is False else "")
         lines.append(
             head + f"| {kv_per_token_words(p)} | {_fmt_int(p['capacity_tokens'])} | {_fmt_mib(p['kv_cache_bytes'])} "
             f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
@@ -312,9 +314,14 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
         inp = p["inputs"]
         weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
-        note = (f"- {cfg.model.name}/{cfg.backend.name}: GPU {cfg.gpu.name or '?'} "
-                f"{'?' if inp['gpu_gib'] is None else inp['gpu_gib']} GiB, weights {weights} GiB, "
-                f"overhead {inp['overhead_gib']} GiB; sources: {srcs}")
+        check = memory.memory_check({"planner": p}) if rss else None
+        if rss:
+            parts = "—" if check is None else memory.parts_words(check)
+            where = f"CPU (peak GiB: the RSS of the server's processes, {parts})"
+        else:
+            gpu_gib = "?" if inp["gpu_gib"] is None else inp["gpu_gib"]
+            where = f"GPU {cfg.gpu.name or '?'} {gpu_gib} GiB, overhead {inp['overhead_gib']} GiB"
+        note = f"- {cfg.model.name}/{cfg.backend.name}: {where}, weights {weights} GiB; sources: {srcs}"
         if note not in notes:
             notes.append(note)
     legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "

@@ -52,11 +52,12 @@ def test_shared_one_cpu_and_attached_servers_are_not_pinned():
         max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def test_a_server_that_places_its_own_threads_shares_unless_split_is_asked():
-    why = "binds its own threads"
-    assert placement.plan(cfg(), why, cpus=[0, 1]).mode == "shared"
-    assert placement.plan(cfg(), why, cpus=[0, 1]).reason == why
-    assert placement.plan(cfg("client.placement=split"), why, cpus=[0, 1]).server_cpus == (0,)
+@pytest.mark.parametrize("backend", ["llamacpp", "vllm", "ollama"])
+def test_auto_places_every_backend_alike(backend):
+    """No server is left to place itself: vLLM's CPU build is split like llama-server and Ollama, and
+    told the same CPUs for its OpenMP threads (test_fair_field.py checks each real server's tree)."""
+    p = placement.plan(cfg(f"backend={backend}"), cpus=[0, 1])
+    assert (p.mode, p.server_cpus, p.client_cpus) == ("split", (0,), (1,))
 
 
 def test_a_split_that_cannot_be_is_refused_in_one_line():
@@ -124,14 +125,7 @@ def test_a_server_gets_as_many_threads_as_cpus_by_default():
 
 
 def test_a_sweep_over_several_backends_places_every_server_alike():
-    from kvexp.app.compose import fair_field
+    from kvexp.backends import create
 
-    assert fair_field(["backend=vllm,llamacpp", "kv=fp16,fp8"]) == "client.placement=shared"
-    assert fair_field(["backend=llamacpp", "kv=fp16,q8_0"]) is None
-    assert fair_field(["backend=vllm,llamacpp", "client.placement=split"]) is None
-    from kvexp.app.compose import compose
-
-    cfg = compose(["backend=vllm", "scenario=smoke", "client.placement=shared"])
-    from kvexp.core import placement
-
-    assert placement.plan(cfg).mode == "shared"
+    plans = {b: create(cfg(f"backend={b}"), locate=False).placement for b in ("llamacpp", "vllm", "ollama")}
+    assert len({(p.mode, p.server_cpus, p.client_cpus) for p in plans.values()}) == 1, plans
