@@ -1,82 +1,134 @@
-"""How long the report takes for a large sweep: a synthetic 100-run aggregate derived from the reference
-document (its runs repeated with varied labels and slightly scaled numbers), rendered as Markdown,
-HTML and PDF. Prints the seconds for each step and the total; the target is under 10 s.
+"""How the report's cost grows with a sweep: realistic sweeps of 10, 100 and 1,000 jobs (bench/sweep.py:
+kvexp's real results varied over KV dtypes, scenarios, 2-8 levels, requests.jsonl beside each), each
+reported in this one process, then `python -m kvexp report` on the largest as a user runs it.
 
-    python bench/report_speed.py [--runs 100] [--reference PATH] [--out DIR] [--keep]
+    python bench/report_speed.py [--runs 10 100 1000] [--dir DIR] [--no-cli] [--no-memory]
+
+Per sweep size, in this process (imports and the schemas' compilation done before the first):
+- time: `collect` (find, read and check every result, the verdicts and the ranking) plus `render_report`
+  with Markdown and HTML (it always writes comparison.json and comparison.csv too), wall and CPU seconds
+  (this process's and its chart workers'), in total and per run;
+- memory: the peak of Python's allocations during the same work (tracemalloc, in a second pass of its
+  own, since tracing slows the work it traces), in total and per run.
+Then the command itself on the largest sweep, in a child process: when the last of report.md,
+report.html, comparison.json and comparison.csv was written (the files' times, from the start), when the
+PDF was, and the child's peak resident memory (its rusage, as `/usr/bin/time -v` reports it). Targets
+(issue 36): MD/HTML/JSON/CSV under 10 s and 500 MB, the PDF under 30 s.
+
+The sweeps are written once under --dir (default: $TMPDIR/kvexp-report-speed) and reused.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
+import gc
 import os
+import resource
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from kvexp.analysis.aggregate import collect  # noqa: E402
 from kvexp.core import machine  # noqa: E402
-from kvexp.report import pdf
-from kvexp.report import render as R  # noqa: E402
+from kvexp.report.render import FILES, render_report  # noqa: E402
+from sweep import write_sweep  # noqa: E402
 
-REFERENCES = (ROOT / "tests" / "fixtures" / "rtx5070ti-qwen2.5-7b.json",
-              ROOT.parent / "shared" / "reference" / "rtx5070ti-qwen2.5-7b.json")
-SCALED = ("throughput_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms")
+TARGET_S, TARGET_MB, TARGET_PDF_S = 10.0, 500.0, 30.0
 
 
-def synthetic(reference: dict, n: int) -> dict:
-    """n runs cycling over the reference's runs; run i gets the label suffix -v<i> and its latency and
-    throughput figures scaled by a deterministic factor between 0.90 and 1.10."""
-    agg = copy.deepcopy(reference)
-    base = reference["runs"]
-    runs = []
-    for i in range(n):
-        run = copy.deepcopy(base[i % len(base)])
-        run["label"] = f"{run['label']}-v{i // len(base)}"
-        factor = 0.90 + 0.20 * ((i * 37) % 101) / 100
-        for lv in run["levels"]:
-            for k in SCALED:
-                if lv.get(k) is not None:
-                    lv[k] = round(lv[k] * factor, 2)
-        runs.append(run)
-    agg["runs"] = runs
-    return agg
+def sweep_dir(base: Path, runs: int) -> Path:
+    """The sweep of `runs` jobs under base, written the first time it is asked for."""
+    d = base / f"sweep-{runs}"
+    if not (d / "done").is_file():
+        shutil.rmtree(d, ignore_errors=True)
+        write_sweep(d, runs)
+        (d / "done").write_text("")
+    return d
+
+
+def report_once(sweep: Path, out: Path) -> None:
+    render_report(collect([sweep]), out, formats=("md", "html"))
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (the report's chart and PDF workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(sweep: Path, out: Path) -> tuple[float, float]:
+    gc.collect()
+    w, c = time.perf_counter(), cpu_s()
+    report_once(sweep, out)
+    return time.perf_counter() - w, cpu_s() - c
+
+
+def traced(sweep: Path, out: Path) -> float:
+    """Peak bytes of Python allocations while the report is made (tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        report_once(sweep, out)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def cli(sweep: Path, out: Path) -> dict[str, float]:
+    """`python -m kvexp report` on the sweep: seconds to its last non-PDF file and to the PDF, its exit,
+    and the child's peak RSS in MB."""
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "kvexp", "report", str(sweep), "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    total = time.time() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"kvexp report failed ({proc.returncode}): {err.strip()[-500:]}")
+    files = {k: out / name for k, name in FILES.items()}
+    text_done = max(files[k].stat().st_mtime for k in ("md", "html", "json", "csv")) - start
+    pdf_done = files["pdf"].stat().st_mtime - start if files["pdf"].is_file() else None
+    return {"text_s": text_done, "pdf_s": pdf_done, "total_s": total, "rss_mb": usage.ru_maxrss / 1024,
+            "pdf_bytes": files["pdf"].stat().st_size if files["pdf"].is_file() else 0}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=100)
-    ap.add_argument("--reference", type=Path, default=next((p for p in REFERENCES if p.is_file()), REFERENCES[0]))
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default: a temporary one)")
+    ap.add_argument("--runs", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "kvexp-report-speed")
+    ap.add_argument("--no-cli", action="store_true", help="skip `python -m kvexp report` on the largest sweep")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass")
     args = ap.parse_args(argv)
-    agg = synthetic(json.loads(args.reference.read_text()), args.runs)
-    out = args.out or Path(tempfile.mkdtemp(prefix="kvexp-report-speed-"))
-    levels = sum(len(r["levels"]) for r in agg["runs"])
-
-    def timed(fn):  # wall and CPU seconds: on a shared machine the CPU figure is the steadier one
-        w, c = time.perf_counter(), time.process_time()
-        result = fn()
-        return result, time.perf_counter() - w, time.process_time() - c
-
-    _, w1, c1 = timed(lambda: R.render_report(agg, out / "md-html", formats=("md", "html")))
-    files, w2, c2 = timed(lambda: R.render_report(agg, out / "all"))
-    if "pdf" not in files:
-        print(f"PDF skipped: {'; '.join(files.problems)}")
-        return 1
-    html = (out / "all" / "report.html").read_text()
-    _, w3, c3 = timed(lambda: pdf.write(html, out / "pdf-one-process.pdf", out / "all", workers=1))
-    _, w4, c4 = timed(lambda: pdf.write(html, out / "pdf-parallel.pdf", out / "all"))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{args.runs} runs, {levels} levels -> {out}   ({machine.usable_cpus()} CPUs, load average {load})")
-    print("CPU: this process only; the parallel PDF's workers are not counted")
-    print(f"md+html                  {w1:6.2f} s wall  {c1:6.2f} s CPU")
-    print(f"pdf alone, one process   {w3:6.2f} s wall  {c3:6.2f} s CPU")
-    print(f"pdf alone, parallel      {w4:6.2f} s wall  {c4:6.2f} s CPU")
-    print(f"md+html+pdf (default)    {w2:6.2f} s wall  {c2:6.2f} s CPU   (target < 10 s)")
+    sweeps = {n: sweep_dir(args.dir, n) for n in args.runs}
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{machine.usable_cpus()} CPUs, load average {load} before; python {sys.version.split()[0]}")
+    report_once(sweeps[min(sweeps)], args.dir / "warm")  # imports, the schemas' compilation, fonts
+    print(f"{'runs':>6} {'wall s':>8} {'CPU s':>8} {'ms/run':>8} {'CPU ms/run':>11} {'peak MB':>8} {'KB/run':>8}")
+    for n, sweep in sweeps.items():
+        wall, cpu = timed(sweep, args.dir / f"report-{n}")
+        peak = None if args.no_memory else traced(sweep, args.dir / f"report-{n}")
+        mem = "" if peak is None else f"{peak / 1e6:8.1f} {peak / 1e3 / n:8.1f}"
+        print(f"{n:6d} {wall:8.2f} {cpu:8.2f} {1000 * wall / n:8.1f} {1000 * cpu / n:11.1f} {mem}", flush=True)
+    if not args.no_cli:
+        n = max(sweeps)
+        r = cli(sweeps[n], args.dir / f"cli-{n}")
+        pdf = "no PDF (WeasyPrint missing)" if r["pdf_s"] is None else \
+            f"PDF at {r['pdf_s']:.2f} s ({r['pdf_bytes'] / 1e6:.1f} MB; target < {TARGET_PDF_S:g} s)"
+        print(f"python -m kvexp report, {n} runs: MD/HTML/JSON/CSV written at {r['text_s']:.2f} s "
+              f"(target < {TARGET_S:g} s), {pdf}, exit at {r['total_s']:.2f} s, "
+              f"peak RSS {r['rss_mb']:.0f} MB (target < {TARGET_MB:g} MB)")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average {load} after")
     return 0
 
 

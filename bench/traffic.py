@@ -42,8 +42,8 @@ def trace_round(binary: Path, scales: list[float], out: Path, pool: ServerPool) 
 
 
 def open_round(binary: Path, out: Path, pool: ServerPool, placement: str) -> dict:
-    """tests/test_truth_llamacpp.py's open-loop level, on the job's own event loop, beside its server:
-    client.placement=shared (both anywhere) or split (each on CPUs of its own)."""
+    """tests/integration/llamacpp/test_truth_llamacpp.py's open-loop level, on the job's own event loop, beside its
+    server: client.placement=shared (both anywhere) or split (each on CPUs of its own)."""
     res = run_job(compose(["model=tiny", "scenario=smoke", "scenario.concurrency=[]", "scenario.rates=[20.0]",
                            "scenario.arrival=poisson", "scenario.requests=60", "backend.parallel=16",
                            "client.workers=1", f"client.placement={placement}", f"backend.binary={binary}"]),
@@ -54,7 +54,8 @@ def open_round(binary: Path, out: Path, pool: ServerPool, placement: str) -> dic
 
 
 def spin_round() -> dict:
-    """1,900 starts due in under a second, each waiter yielding its last SPIN_S (tests/test_openloop.py)."""
+    """1,900 starts due in under a second, each waiter yielding its last SPIN_S
+    (tests/unit/measure/test_loadgen_waits.py)."""
     import asyncio
 
     from kvexp.measure import loadgen

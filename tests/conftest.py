@@ -18,9 +18,10 @@ import pytest
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 REFERENCE = ROOT.parent / "shared" / "reference" / "rtx5070ti-qwen2.5-7b.json"
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = TESTS / "fixtures"  # every test names its recorded files from here, wherever the test sits
 
 
 @pytest.fixture(scope="session")
@@ -235,6 +236,35 @@ def loop_lags(monkeypatch) -> LoopLags:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "under_load: runs a busy loop on one core beside timing-sensitive checks")
+
+
+INTEGRATION = TESTS / "integration"
+SERVERS = ("llamacpp", "vllm", "ollama", "slurm", "browser")  # the markers of tests/integration/<server>/
+SERVER_FIXTURES = {"llama_server": "llamacpp", "ollama": "ollama"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`integration` and the server's marker on every test that needs a real server: each test under
+    tests/integration/ (its folder names the server; in tests/integration/ itself, its `backend` parameter
+    does), and a test anywhere that takes a server fixture or carries a server's marker. `pytest -m "not
+    integration"` is then the suite that starts no real server, wherever a test was written."""
+    for item in items:
+        path = Path(item.path)
+        servers = {m.name for m in item.iter_markers() if m.name in SERVERS}
+        servers |= {SERVER_FIXTURES[f] for f in getattr(item, "fixturenames", ()) if f in SERVER_FIXTURES}
+        real = bool(servers)
+        if path.is_relative_to(INTEGRATION):
+            real = True
+            folder = path.relative_to(INTEGRATION).parts
+            if len(folder) > 1 and folder[0] in SERVERS:
+                servers.add(folder[0])
+            backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+            if backend in SERVERS:
+                servers.add(backend)
+        if real:
+            item.add_marker("integration")
+        for server in sorted(servers - {m.name for m in item.iter_markers()}):
+            item.add_marker(server)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -64,6 +64,17 @@ def _refusal(stderr: str) -> str:
     return (said or lines or ["sbatch failed"])[-1]
 
 
+def _drop_unsubmitted(sweep_dir: Path) -> None:
+    """A sweep folder that Slurm's refusal left holding only what Hydra and submitit wrote before the
+    submission (multirun.yaml, .submitit/) is removed; one holding anything else (a resumed sweep's results,
+    the user's files) is left as it is."""
+    import shutil
+
+    made = {"multirun.yaml", ".submitit"}
+    if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= made:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+
+
 def _failed(ret: JobReturn, job: Any) -> str:
     first = (str(ret._return_value).splitlines() or [type(ret._return_value).__name__])[0]
     return f"failed: {first} (Slurm job {job.job_id}; its output: {job.paths.stderr})"
@@ -162,6 +173,7 @@ if SlurmLauncher is not None:
                 with _stderr_held():  # sbatch's own lines: shown after a submission, folded into one on a refusal
                     jobs = dict(zip((p[2] for p in params), executor.map_array(self, *zip(*params)))) if params else {}
             except submitit.core.utils.FailedJobError as e:  # sbatch refused the array: nothing was submitted
+                _drop_unsubmitted(sweep_dir)
                 raise SystemExit(f"kvexp: Slurm refused the sweep's jobs, none was submitted: {_refusal(str(e))}")
             return [JobReturn(overrides=o, status=JobStatus.COMPLETED, working_dir=str(self._folder(cfg)))
                     if num in kept else self._outcome(jobs[num], o, cfg) for num, o, cfg in numbered]

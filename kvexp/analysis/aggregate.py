@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 
 from kvexp.analysis.card import kv_cards
 from kvexp.analysis.recommend import recommendations
-from kvexp.analysis.verdict import verdicts
+from kvexp.analysis.verdict import Verdict, verdicts
 from kvexp.core import __version__
 from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
@@ -18,13 +18,15 @@ from kvexp.results.store import ResultError, find_results, load_any
 from kvexp.results.validate import SCHEMA_VERSION, validate_document
 
 
-def collect(paths: Iterable[Path]) -> Aggregate:
-    """One aggregate from any mix of sweep folders, job folders, result files and aggregates."""
+def collect(paths: Iterable[Path], results: Optional[list[JobResult]] = None) -> Aggregate:
+    """One aggregate from any mix of sweep folders, job folders, result files and aggregates, each file read
+    once; its verdicts, recommendations and KV cards computed once, here, for every output to read
+    (interpretation). `results`: a list that receives the job results read (a sweep's timing reads them)."""
     runs: list[Run] = []
     configs: list[Optional[dict[str, Any]]] = []  # each run's config, where its result is read here
     calibration: list[dict[str, Any]] = []
     planner = None
-    results: list[JobResult] = []
+    results = [] if results is None else results
     gpu, gpu_gib, environment_ = None, None, None
     foreign_levels: list[Any] = []
     for path in find_results(paths):
@@ -56,11 +58,24 @@ def collect(paths: Iterable[Path]) -> Aggregate:
                     environment=environment_, gpu=gpu, gpu_gib=gpu_gib,
                     run_dates=sorted({r.started_at for r in runs if r.started_at}), runs=runs,
                     calibration=calibration, planner=planner)
-    agg.recommendations = recommendations(agg)
-    agg.verdicts = [v.to_json() for v in verdicts(agg)]
-    agg.kv_cards = kv_cards(agg)
+    said = interpretation(agg)
+    agg.recommendations, agg.verdicts, agg.kv_cards = said["recommendations"], said["verdicts"], said["kv_cards"]
     validate_document(agg.to_json(), "aggregate", where="aggregate")
     return agg
+
+
+def interpretation(agg: Aggregate) -> dict[str, list[dict[str, Any]]]:
+    """{recommendations, verdicts (as JSON), kv_cards}: those the aggregate holds (collect computed them),
+    else computed now (an aggregate built by hand, or a document from before they were recorded)."""
+    recs = agg.recommendations if isinstance(agg.recommendations, list) else recommendations(agg)
+    said = agg.verdicts if isinstance(agg.verdicts, list) else [v.to_json() for v in verdicts(agg)]
+    cards = agg.kv_cards if isinstance(agg.kv_cards, list) else kv_cards(agg)
+    return {"recommendations": recs, "verdicts": said, "kv_cards": cards}
+
+
+def verdicts_of(agg: Aggregate) -> list[Verdict]:
+    """The aggregate's verdicts (interpretation), as Verdicts."""
+    return [Verdict.from_json(v) for v in interpretation(agg)["verdicts"]]
 
 
 def run_of(result: JobResult, source: str | None = None) -> Run:

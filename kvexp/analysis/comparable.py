@@ -49,21 +49,35 @@ def weights_words(run: Run) -> str:
     return run.model_file if w == "—" else f"{w}, {run.model_file}"
 
 
-def placement_key(run: Run) -> Optional[tuple[str, int]]:
-    """(mode, CPUs the server had) from environment.placement (None: not recorded, e.g. another tool's run)."""
+def placement_key(run: Run) -> Optional[tuple[str, tuple[int, ...]]]:
+    """(mode, the CPUs the server had) from environment.placement (Placement.key): the CPUs every thread of
+    its process tree was read back on, else those it was pinned to (None: not recorded, e.g. another tool's
+    run). Two runs placed alike have the same key; a server whose processes ran outside the CPUs it was
+    given has the CPUs it ran on, so it is not compared with one that kept to them."""
     return run.placement.key if run.placement is not None else None
 
 
-def placement_words(key: Optional[tuple[str, int]]) -> str:
+def _cpu_words(cpus: tuple[int, ...]) -> str:
+    return f"CPU{'s' if len(cpus) != 1 else ''} {','.join(map(str, cpus))}"
+
+
+def placement_words(key: Optional[tuple[str, tuple[int, ...]]]) -> str:
     if key is None:
         return "placement not recorded"
-    mode, n = key
-    return f"the server pinned to {n} CPU{'s' if n != 1 else ''}" if mode == "split" and n \
-        else "the server sharing every CPU with the client"
+    mode, cpus = key
+    if mode == "split" and cpus:
+        return f"the server's processes on {_cpu_words(cpus)}"
+    return "the server sharing every CPU with the client" + (f" ({_cpu_words(cpus)})" if cpus else "")
 
 
 def _fingerprint(run: Run) -> str:
     return json.dumps({k: v for k, v in run.to_json().items() if k not in ("label", "source")}, sort_keys=True,
+                      default=str)
+
+
+def _sketch(run: Run) -> str:
+    """A few of _fingerprint's fields, in its words: runs whose fingerprints agree agree in this."""
+    return json.dumps([run.started_at, run.backend, run.model, run.scenario, run.kv_requested, len(run.levels)],
                       default=str)
 
 
@@ -117,9 +131,18 @@ def _load_clusters(runs: list[Run]) -> tuple[list[Run], list[tuple[Run, str]]]:
     best: list[tuple[Run, Any]] = []
     for i in range(len(loaded)):
         group = [loaded[i]]
+        # the group's extremes, kept as it grows (C.loads_differ over the group and one more, in O(1)); past
+        # the first run too loaded for it, every later one is too (sorted by load per core)
+        lo_core = hi_core = loaded[i][1][0] / loaded[i][1][2]
+        lo_steal = hi_steal = loaded[i][1][1]
         for rv in loaded[i + 1:]:
-            if not C.loads_differ([v for _, v in group] + [rv[1]]):
+            core, steal = rv[1][0] / rv[1][2], rv[1][1]
+            if core - lo_core > C.LOAD_PER_CORE_DIFF:
+                break
+            if not C.loads_differ([(lo_core, lo_steal, 1), (hi_core, hi_steal, 1), (core, steal, 1)]):
                 group.append(rv)
+                lo_core, hi_core = min(lo_core, core), max(hi_core, core)
+                lo_steal, hi_steal = min(lo_steal, steal), max(hi_steal, steal)
         if len(group) > len(best):
             best = group
     kept_ids = {id(r) for r, _ in best}
@@ -140,16 +163,28 @@ def partition(runs: list[Run]) -> tuple[list[Field], list[Left]]:
     A field holds two or more runs; a lone run that nothing excludes is a field of one."""
     left: list[Left] = []
     seen: dict[str, str] = {}
+    alike: dict[str, list[Run]] = {}  # runs by a few of their fields: only runs alike in these can be copies
+    fps: dict[int, str] = {}  # each run's whole-document fingerprint, made only where a copy is possible
+    named: set[int] = set()  # the runs whose fingerprint is in seen
+
+    def fp_of(x: Run) -> str:
+        return fps[id(x)] if id(x) in fps else fps.setdefault(id(x), _fingerprint(x))
+
     live: list[Run] = []
     for r in runs:
         label = r.label
         why = _status_reason(r)
         if why is None:
-            fp = _fingerprint(r)
-            if fp in seen:
-                why = f"it is an identical copy of {seen[fp]}: one run, counted once"
+            earlier = alike.setdefault(_sketch(r), [])
+            for o in earlier:  # the first of each fingerprint names it
+                if id(o) not in named:
+                    named.add(id(o))
+                    seen.setdefault(fp_of(o), o.label)
+            copy_of = seen.get(fp_of(r)) if earlier else None
+            earlier.append(r)
+            if copy_of is not None:
+                why = f"it is an identical copy of {copy_of}: one run, counted once"
             else:
-                seen[fp] = label
                 if not r.kv_confirmed:
                     why = (f"its server did not confirm the KV dtype asked for ({r.kv_requested}): "
                            "what ran is not known")

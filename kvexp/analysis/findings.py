@@ -128,6 +128,11 @@ def best_overall(scenario: str, runs: list[Run]) -> list[Finding]:
                          f"tok/s at {x_words(x2k)} {fmt_x(x2k, x2)}{setup_difference(run, r2)}")
                 if vd.measurable:
                     tail = f"; the runner-up, {other}, shows {vd.phrase}"
+                elif vd.dispersed:  # the verdict's words: no tie, no winner, and what to run
+                    lead, tail = "the highest throughput cannot be told apart between", \
+                        f", and {other}: {noise.DISPERSED}"
+                elif vd.basis == "machine load":
+                    lead, tail = "the highest throughput is not comparable between", f", and {other}: {vd.reason}"
                 else:
                     lead, tail = "the highest throughput is a tie between", f", and {other}: {vd.phrase}"
         out.append(Finding(
@@ -374,7 +379,7 @@ def compute_findings(aggregate: Aggregate) -> list[Finding]:
     for scen, srun in fields:
         out += kv_gains(scen, srun, kv_bytes)
     out += quality_findings(aggregate)
-    out += card_findings(kv_cards(aggregate))
+    out += card_findings(aggregate.kv_cards if isinstance(aggregate.kv_cards, list) else kv_cards(aggregate))
     for scen, srun in groups:
         out += [f for f in (saturation(scen, r) for r in srun) if f]
     for scen, srun in groups:

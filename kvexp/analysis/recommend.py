@@ -244,3 +244,24 @@ def recommendations(aggregate: Aggregate) -> list[dict[str, Any]]:
                 if rec is not None:
                     out.append(rec)
     return out
+
+
+def ranked(runs: list[Run]) -> list[Run]:
+    """A scenario's runs, best first, for a report that shows only the best few of many: complete runs
+    before partial ones before the rest; then, where a run set a latency objective, those that meet it
+    by their capacity within it (and their throughput there); then by peak throughput. Runs with nothing
+    measured keep their order at the end. Each run's figures are read once (a linear pass and a sort)."""
+    rank = {"complete": 0, "partial": 1}
+
+    def key(run: Run) -> tuple:
+        slo = run.objectives
+        cap = capacity(run, slo) if slo is not None else None
+        peak = peak_level(run)
+        at = cap["level"] if cap is not None and cap["capacity"] is not None else peak
+        tput = _tput(at)
+        return (rank.get(run.state, 2), cap is None or cap["capacity"] is None,
+                -(cap["capacity"] if cap is not None and cap["capacity"] is not None else 0.0),
+                tput is None, -(tput or 0.0))
+
+    keys = {id(r): key(r) for r in runs}
+    return sorted(runs, key=lambda r: keys[id(r)])

@@ -64,6 +64,10 @@ class Verdict:
         return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat,
                 "excluded": list(self.excluded)}
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Verdict":
+        return cls(d["scenario"], tuple(d["choice"]), d["why"], d["caveat"], tuple(d.get("excluded") or ()))
+
 
 def short_names(runs: list[Run]) -> dict[str, str]:
     """Label -> "llama.cpp q8_0" (+ the model where one backend served several: each backend serves its own

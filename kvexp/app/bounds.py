@@ -37,6 +37,8 @@ MAX_DEPTHS = 64  # quality.depths
 MAX_CHUNKS = 10_000  # quality.chunks: windows per depth
 MAX_PROMPTS = 100_000  # quality.prompts: greedy continuations
 MAX_TOP_K = 1000  # quality.top_k: log-probabilities per position
+MIN_LOG_MB = 0.01  # a server log's cap (10 KiB): room for a head, the marker line and some of the latest output
+MAX_LOG_MB = float(1 << 20)  # a TiB
 MIN_WORKER_CAP = 2  # client.workers may be 2 even on one core (the multi-process path stays testable)
 
 # The KV cache types each server accepts, in its own spelling: llama-server -ctk/-ctv, vllm serve

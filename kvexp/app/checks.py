@@ -175,6 +175,11 @@ def check_ranges(cfg: ExperimentConfig) -> None:
     if hasattr(b, "gpu_memory_utilization"):
         _in("backend.gpu_memory_utilization", b.gpu_memory_utilization, 0, 1, low_open=True,
             null="the backend's default")
+    lg = cfg.log
+    for key in ("max_mb", "lines_max_mb"):
+        _in(f"log.{key}", getattr(lg, key), bounds.MIN_LOG_MB, bounds.MAX_LOG_MB, null="no cap", unit=" MiB")
+    _in("log.head_mb", lg.head_mb, 0, (lg.max_mb or bounds.MAX_LOG_MB) / 2, low_open=True, unit=" MiB",
+        why="half of log.max_mb, so that the latest output has room")
     _in("gpu.memory_gib", g.memory_gib, 0, MAX_GIB, low_open=True, null="read from NVML")
     _in("gpu.index", g.index, 0, 1023)
     _in("gpu.sample_interval_s", g.sample_interval_s, 0.001, 60)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvexp.app import stdout
-from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only, fair_field,
+from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
                                hydra_argv, ignored_keys_note, kv_choices, printable, refuse_repeats,
                                refuse_unread, safe_name, sweep_backends, sweep_overrides, to_experiment)
 from kvexp.app.interrupts import interrupted
@@ -61,11 +61,6 @@ def run_experiment(argv: list[str]) -> int:
     given = [a for a in argv if not a.startswith("-")]
     overrides, backend_only = backend_only_keys(given)
     argv = [overrides[given.index(a)] if not a.startswith("-") else a for a in argv]
-    fair = fair_field(overrides) if multirun else None
-    if fair is not None:  # several backends in one sweep: every server placed alike (docs/decisions.md)
-        overrides, argv = [*overrides, fair], [*argv, fair]
-        print(f"kvexp: several backends in one sweep: every server shares the CPUs alike ({fair}; set "
-              "client.placement to choose)", file=sys.stderr)
     handlers = process.raise_on_signals()
     sweep: Optional[_Sweep] = None
     try:
@@ -264,8 +259,7 @@ class SweepCallback(Callback):  # type: ignore[misc]
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         import time
 
-        from kvexp.report.summary import (end_of_run_text, job_results, sweep_aggregate, sweep_timing, timing_line,
-                                          write_sweep_outputs)
+        from kvexp.report.summary import end_of_run_text, timing_line, write_sweep_outputs
 
         sweep_dir = Path(config.hydra.sweep.dir)
         wall = time.monotonic() - self._t0 if hasattr(self, "_t0") else None
@@ -274,8 +268,8 @@ class SweepCallback(Callback):  # type: ignore[misc]
             written = write_sweep_outputs(sweep_dir, wall, since)
             for p in written:
                 log.info("sweep: wrote %s", p)
-            log.info("sweep: %s", timing_line(sweep_timing(job_results(sweep_dir), wall, since)))
-            print(end_of_run_text(sweep_aggregate(sweep_dir)), flush=True)
+            log.info("sweep: %s", timing_line(written.timing))  # what it read: each result is read once
+            print(end_of_run_text(written.aggregate), flush=True)
         except Exception as e:  # the measurements are on disk whatever happens here
             log.error("sweep: could not summarise %s: %s", sweep_dir, str(e).splitlines()[0] if str(e) else e)
 
@@ -382,7 +376,7 @@ def _report(args: argparse.Namespace) -> int:
     from kvexp.results.validate import ValidationFailed
 
     try:
-        written = render_report(agg, out, title=args.title)
+        written = render_report(agg, out, title=args.title, validated=True)  # collect checked it
     except ValidationFailed as e:  # what the report would write does not hold to its schema: name the field
         print(f"kvexp: report: {e}", file=sys.stderr)
         return 1

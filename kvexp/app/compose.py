@@ -450,16 +450,3 @@ def ignored_keys_note(partial: dict[str, list[str]], backends: list[str]) -> lis
     """One line per backend-only key of a sweep: which backends it is ignored for."""
     return [f"backend.{key} is a key of backend={', '.join(owners)} only: ignored for the "
             f"{', '.join(b for b in backends if b not in owners)} jobs" for key, owners in sorted(partial.items())]
-
-
-def fair_field(overrides: list[str]) -> Optional[str]:
-    """The override that gives every server of a sweep over several backends the same CPU placement
-    ("client.placement=shared"), or None: one backend, or client.placement set. client.placement=auto pins
-    llama-server and Ollama's runner to some CPUs but leaves vLLM's CPU build to bind its own threads, so
-    their figures would be measured on different CPU budgets, and comparable.partition compares no two runs
-    placed differently."""
-    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
-    if "client.placement" in keys or "backend.endpoint" in keys:
-        return None
-    backends = [v.strip() for v in keys.get("backend", "").split(",") if v.strip()]
-    return "client.placement=shared" if len(set(backends)) > 1 else None

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import aiohttp
 
+from kvexp.capacity.cpumemory import CpuMemoryModel, ServerBuffers
 from kvexp.capacity.planner import CacheModel, kv_bytes_per_element
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, check_kv
 from kvexp.core import placement
@@ -181,6 +182,8 @@ class ServerSpec:
     numerics: tuple[tuple[str, Any], ...] = ()  # launch settings besides the KV dtype that change the numbers
     cpus: Optional[tuple[int, ...]] = None  # the CPUs the server is pinned to (None: not pinned)
     tensor_parallel: int = 1  # GPUs that split the weights and the KV cache (vLLM --tensor-parallel-size)
+    # its resident memory when it runs on the CPU (kvexp/capacity/cpumemory.py; None: it does not, or no model)
+    cpu_memory: Optional[CpuMemoryModel] = None
 
     def launch_argv(self, port: int) -> list[str]:
         if self.argv is None:
@@ -254,7 +257,7 @@ class Adapter:
         self.kv_type = cfg.kv.per_backend[self.name]
         self.served_name = cfg.model.name
         self.base_url = ""
-        self.placement = placement.plan(cfg, self.places_own_threads())
+        self.placement = placement.plan(cfg)
         self.spec = self._spec()
 
     # ---- resolving: what to launch
@@ -321,7 +324,18 @@ class Adapter:
             gpu_memory_utilization=gpu_memory_utilization, unified_kv=unified_kv, cache=self.cache_model,
             capabilities=capabilities or self.capabilities, sources=tuple(sorted(sources.items())),
             numerics=tuple(sorted(self.numerics().items())), cpus=self.placement.server_cpus,
-            tensor_parallel=tensor_parallel)
+            tensor_parallel=tensor_parallel, cpu_memory=self.cpu_memory())
+
+    @classmethod
+    def logged_buffers(cls, log_text: str) -> Optional[ServerBuffers]:
+        """The buffers the server states at start beside its mapped weights and its KV cache
+        (kvexp/capacity/cpumemory.py); None: its log does not state them."""
+        return None
+
+    def cpu_memory(self) -> Optional[CpuMemoryModel]:
+        """The planner's model of this server's resident memory when it runs on the CPU, as it is launched
+        (kvexp/capacity/cpumemory.py); None: it does not run on the CPU, or kvexp has no model of it."""
+        return None
 
     @classmethod
     def check_environment(cls, b: BackendConfig) -> None:
@@ -371,11 +385,6 @@ class Adapter:
 
     def unsupported_reason(self) -> Optional[str]:
         """Why this server cannot run the configured KV dtype here (None: no known obstacle)."""
-        return None
-
-    def places_own_threads(self) -> Optional[str]:
-        """Why client.placement=auto leaves this server's CPUs to the server itself (None: it does not
-        place its own threads; kvexp/core/placement.py)."""
         return None
 
     # ---- requests
@@ -459,6 +468,10 @@ class Adapter:
         """The launch settings besides the KV dtype that change the server's numbers with KV type
         kv_type (default: the job's), recorded in the spec and used as a cache key."""
         return {}
+
+    # the lines of the server's log kept whole whatever the log's cap, as they stream (a regular expression
+    # matched within a line; None: none): what kvexp or its checks read back later (kvexp/backends/serverlog.py)
+    log_kept: ClassVar[Optional[str]] = None
 
     def log_states_kv(self, log_text: str) -> bool:
         """Whether the server's log already holds its KV cache lines (the runner waits a moment for

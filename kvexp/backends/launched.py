@@ -121,9 +121,9 @@ class Watcher:
             return False
 
 
-def watch(pid: int, scratch: Optional[Path], log: Optional[IO[bytes]] = None) -> Optional[Watcher]:
+def watch(pid: int, scratch: Optional[Path], log: Optional[int | IO[bytes]] = None) -> Optional[Watcher]:
     """Start the watcher of server pid (best effort: without it, the parent-death signal and the record
-    still guard). Its output goes to the server's log."""
+    still guard). Its output goes to log (a file or a descriptor: the server's log)."""
     start = watcher.start_ticks(pid)
     if start is None or not sys.executable:
         return None
@@ -132,7 +132,7 @@ def watch(pid: int, scratch: Optional[Path], log: Optional[IO[bytes]] = None) ->
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", watcher.__file__, str(pid), str(start), str(WATCHER_GRACE_S),
              str(scratch or ""), str(records_dir() / f"{pid}.json")],
-            stdin=read, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.DEVNULL,
+            stdin=read, stdout=subprocess.DEVNULL if log is None else log, stderr=subprocess.DEVNULL if log is None else log,
             start_new_session=True)  # a terminal's Ctrl-C or hang-up must not end it before kvexp
     except OSError as e:
         os.close(write)

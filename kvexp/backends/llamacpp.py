@@ -24,6 +24,7 @@ from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCa
                                  StreamEvent, TelemetrySample, answer_json, reported_version)
 from kvexp.backends.prometheus import parse_metrics
 from kvexp.capacity import gguffile, modelinfo
+from kvexp.capacity.cpumemory import CpuMemoryModel, ServerBuffers
 from kvexp.capacity.planner import KV_BYTES_PER_ELEMENT, CacheModel, kv_pair
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, FlashAttn, KVRotation, server_slots
 from kvexp.core.paths import cache_dir, file_problem
@@ -53,8 +54,57 @@ def window_cells(window: int, cells: int, slots: int, unified: bool) -> int:
     return per_stream * (1 if unified else slots)
 UNIFIED_FLAGS = ("--kv-unified", "-kvu")
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+# Its resident memory on the CPU (kvexp/capacity/cpumemory.py): the runtime beside the weights, the buffers its
+# log states, the KV cache and the prompt cache, as base + per vocabulary entry + per BPE merge (the tokenizer's
+# tables) + per slot. Fitted by least squares to the measured peak RSS less those parts, per level, of 19
+# levels of llama-server 0.3.36-b2 on this machine (AMD EPYC, 2 cores): SmolLM2-135M Q4_1 (49,152 tokens,
+# 48,900 merges), Gemma 3 270M Q4_K_M (262,144 tokens, no merges) and kvexp's tiny model (356 tokens), 1, 2
+# and 4 slots, -c 128 to 4096, KV f16, q8_0 and q8_0/q4_0, scenarios smoke and cpu, the prompt cache on and
+# off; every residual within 3.1 MiB.
+RUNTIME_BASE_BYTES = round(13.87 * MIB)
+RUNTIME_PER_VOCAB_BYTES = 213
+RUNTIME_PER_MERGE_BYTES = 161
+RUNTIME_PER_SLOT_BYTES = round(1.74 * MIB)
+RUNTIME_SOURCE = ("fitted to the measured RSS of 19 levels of llama-server 0.3.36-b2 (SmolLM2-135M, Gemma 3 270M, "
+                  "kvexp's tiny model; 1-4 slots; kvexp/backends/llamacpp.py): base + per token + per merge + per slot")
+PROMPT_CACHE_MIB = 8192  # llama-server's default --cache-ram (common/common.h: cache_ram_mib = 8192)
+# `sched_reserve:        CPU compute buffer size =    13.76 MiB`, `llama_context:        CPU  output buffer size
+# =     0.75 MiB`, `load_tensors:   CPU_REPACK model buffer size =    ... MiB` (weights copied into memory of its
+# own; a `CPU_Mapped` model buffer is the mapped file and a plain `CPU` one the file read in: the weights)
+BUFFER_LINE = re.compile(r"(\w+)\s+(compute|output|model) buffer size =\s*([\d.]+) MiB")
+UBATCH_LINE = re.compile(r"llama_context: n_ubatch\s*=\s*(\d+)")
 # a line of `llama-server --help` that names an option: its spellings, then the placeholder of its value(s)
 HELP_OPTION = re.compile(r"((?:-{1,2}[A-Za-z][\w.-]*)(?:,\s+-{1,2}[A-Za-z][\w.-]*)*)(?: ([^ ].*?))?(?:\s{2,}|$)")
+
+
+def logged_buffers(log_text: str) -> Optional[ServerBuffers]:
+    """The output and compute buffers and the weights copied out of the mapped file, as llama-server's log
+    states them at start (each buffer's last line: a reserve repeated after a retry states it again), with
+    the micro-batch the compute buffer is sized for; None where it states none."""
+    found: dict[tuple[str, str], float] = {}
+    for m in BUFFER_LINE.finditer(log_text):
+        # a *_Mapped model buffer is the mapped file and a plain CPU one the file read into memory (no mmap):
+        # the weights, counted as the file; others (CPU_REPACK, AMX) are copies beside it
+        if m.group(2) != "model" or not (m.group(1).endswith("_Mapped") or m.group(1) == "CPU"):
+            found[(m.group(1), m.group(2))] = float(m.group(3))
+    if not found:
+        return None
+    ubatch = UBATCH_LINE.findall(log_text)
+    names = ", ".join(f"{buft} {kind} {mib:.2f} MiB" for (buft, kind), mib in found.items())
+    compute = sum(mib for (_, kind), mib in found.items() if kind == "compute")
+    return ServerBuffers(round((sum(found.values()) - compute) * MIB), round(compute * MIB),
+                         int(ubatch[-1]) if ubatch else None,
+                         f"the server's log: {names}" + (f" (n_ubatch = {ubatch[-1]})" if ubatch else ""))
+
+
+def cache_ram_bytes(argv: list[str]) -> tuple[int, str]:
+    """The most llama-server keeps of finished prompts' states in memory (--cache-ram MiB; -1 no limit),
+    and where that came from."""
+    for i, a in enumerate(argv[:-1]):
+        if a in CACHE_RAM_FLAGS:
+            mib = int(argv[i + 1])
+            return (1 << 62 if mib < 0 else mib * MIB), f"{a} {argv[i + 1]} (MiB)"
+    return PROMPT_CACHE_MIB * MIB, f"llama-server's default --cache-ram {PROMPT_CACHE_MIB} MiB"
 
 
 def slot_dir() -> Path:
@@ -299,10 +349,7 @@ class LlamaCpp(Adapter):
                     "-c", str(context), "--metrics", "--slots",
                     "-ctk", k_type, "-ctv", v_type, "-fa", str(b.flash_attn), "-lv", "4"]
             argv += ["-t", str(self.threads)]
-            if scenario.resets_cache(s):  # slots can be erased between levels (reset_cache)
-                argv += ["--slot-save-path", str(slot_dir())]
-                if not any(a in CACHE_RAM_FLAGS for a in b.extra_args):
-                    argv += ["--cache-ram", "0"]  # the host-RAM prompt cache would outlive a slot erase
+            argv += self._cache_args()
             layers = self.gpu_layers
             if layers is not None:
                 argv += ["-ngl", str(layers)]
@@ -421,12 +468,39 @@ class LlamaCpp(Adapter):
                     f"backend.kv_rotation=off set {ROTATION_OFF_ENV}=1")
         return None
 
+    def _cache_args(self) -> list[str]:
+        """The prompt-cache flags kvexp adds: slots can be erased between levels (reset_cache), and the
+        host-RAM prompt cache, which would outlive a slot erase, is off unless backend.extra_args sizes it."""
+        if not scenario.resets_cache(self.cfg.scenario):
+            return []
+        off = [] if any(a in CACHE_RAM_FLAGS for a in self.b.extra_args) else ["--cache-ram", "0"]
+        return ["--slot-save-path", str(slot_dir()), *off]
+
+    def cpu_memory(self) -> Optional[CpuMemoryModel]:
+        if self.gpu_layers:  # its weights and KV cache on a GPU
+            return None
+        flags = [*self._cache_args(), *self.b.extra_args]  # what the launch argv holds about the prompt cache
+        limit, why = cache_ram_bytes(flags)
+        idle = "--no-cache-idle-slots" not in flags
+        return CpuMemoryModel(
+            "llamacpp", RUNTIME_BASE_BYTES, RUNTIME_SOURCE, limit,
+            f"{why}; every request's state but those still in a slot "
+            f"({'idle slots saved when a task starts' if idle else '--no-cache-idle-slots'}; "
+            "tools/server/server-task.cpp)",
+            runtime_per_vocab_bytes=RUNTIME_PER_VOCAB_BYTES, runtime_per_merge_bytes=RUNTIME_PER_MERGE_BYTES,
+            runtime_per_slot_bytes=RUNTIME_PER_SLOT_BYTES, logs_buffers=True, saves_idle_slots=idle)
+
+    @classmethod
+    def logged_buffers(cls, log_text: str) -> Optional[ServerBuffers]:
+        return logged_buffers(log_text)
+
     @property
     def threads(self) -> int:
         # the server's own CPUs by default (all but the load generator's; kvexp/core/placement.py)
         return self.b.threads or self.placement.server_threads
 
     server_timing_source = "llama-server's per-request timings"
+    log_kept = r"print_timing: "  # each request's timings, in the server's own words (`slot print_timing: id 0 | ...`)
 
     def request_timing(self, timings: Optional[dict[str, float]],
                        output_tokens: Optional[int]) -> Optional[dict[str, Optional[float]]]:

@@ -49,7 +49,9 @@ from kvexp.backends import gguf_tokenizer, openai
 from kvexp.backends.base import (PORT, Adapter, BackendError, Capabilities, KVCacheInfo, Request, ServerSpec,
                                  StreamEvent, answer_json, reported_version)
 from kvexp.backends.llamacpp import check_gguf_model
-from kvexp.backends.ollamacache import ENGINE_ARCHS, ENGINE_CACHE, RUNNER_CACHE, gguf_architecture, parse_server_log
+from kvexp.backends.ollamacache import (CPU_MEMORY, ENGINE_ARCHS, ENGINE_CACHE, RUNNER_CACHE, gguf_architecture,
+                                       logged_buffers, parse_server_log)
+from kvexp.capacity.cpumemory import CpuMemoryModel, ServerBuffers
 from kvexp.core.config import BackendConfig, ConfigError, ExperimentConfig, server_slots
 from kvexp.core.paths import cache_dir, sha256_of
 from kvexp.workload import prompts, scenario
@@ -243,6 +245,13 @@ class Ollama(Adapter):
     def threads(self) -> int:
         return self.b.threads or self.placement.server_threads
 
+    def cpu_memory(self) -> Optional[CpuMemoryModel]:
+        return CPU_MEMORY  # used where no GPU is known (kvexp/planning/prediction.py)
+
+    @classmethod
+    def logged_buffers(cls, log_text: str) -> Optional[ServerBuffers]:
+        return logged_buffers(log_text)
+
     def numerics(self, kv_type: Optional[str] = None) -> dict[str, Any]:
         return {"flash_attention": str(self.b.flash_attention), "threads": self.threads}
 
@@ -375,6 +384,8 @@ class Ollama(Adapter):
 
     def log_states_kv(self, log_text: str) -> bool:
         return LOADED_LINE in log_text
+
+    log_kept = r'msg="(?:starting runner|llama runner process no longer running)"'  # what model_lost reads
 
     def model_lost(self, log_part: str) -> Optional[str]:
         if m := _RUNNER_GONE.search(log_part):

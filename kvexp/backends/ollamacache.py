@@ -15,7 +15,9 @@ from typing import Optional
 
 from kvexp.backends.base import KVCacheInfo
 from kvexp.backends.llamacpp import CELL_PAD, MIB, parse_kv_log
+from kvexp.backends.llamacpp import logged_buffers as llama_buffers
 from kvexp.capacity import gguffile
+from kvexp.capacity.cpumemory import CpuMemoryModel, ServerBuffers
 from kvexp.capacity.planner import CacheModel
 
 BATCH = 512  # Ollama's default num_batch (llm/server.go: min(NumBatch, NumCtx))
@@ -68,6 +70,31 @@ _ENGINE_KV = re.compile(r'msg="kv cache" device=(\S+) size="([\d.]+) (B|KiB|MiB|
 # cells (num_ctx x parallel) and the slots (runner/ollamarunner/runner.go)
 _LOAD_REQUEST = re.compile(r'msg=load request="\{[^"]*?Parallel:(\d+)[^"]*?KvSize:(\d+) KvCacheType:(\w*)')
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+# What the runner holds beside its KV cache, per device (llm/device.go): `msg="model weights" device=CPU
+# size="405.2 MiB"` (its own engine keeps some tensors in another type than the file's), `msg="compute graph"
+# device=CPU size="4.9 MiB"` (its own engine; its llama.cpp runner prints llama.cpp's buffer lines instead)
+_DEVICE_SIZE = re.compile(r'msg="(model weights|compute graph)" device=(\S+) size="([\d.]+) (B|KiB|MiB|GiB|TiB)"')
+
+
+def logged_buffers(log_text: str) -> Optional[ServerBuffers]:
+    """What an Ollama runner holds on the CPU beside its KV cache, as the server's log states it: the weights
+    as it holds them, its compute graph and output buffers (kvexp/capacity/cpumemory.py); None: not stated."""
+    sizes: dict[str, int] = {}
+    for what, device, num, unit in _DEVICE_SIZE.findall(log_text):
+        if device == "CPU":
+            sizes[what] = round(float(num) * _UNITS[unit])  # the last load's
+    weights = sizes.get("model weights")
+    llama = llama_buffers(log_text)  # the llama.cpp runner's own lines
+    log = "the server's log: "
+    said = log + "model weights" + (f" {weights / MIB:.2f} MiB" if weights is not None else " not stated")
+    if llama is not None:
+        return ServerBuffers(llama.fixed_bytes, llama.compute_bytes, llama.ubatch_tokens,
+                             f"{said}; {llama.source.removeprefix(log)}", weights)
+    if not sizes:
+        return None
+    graph = sizes.get("compute graph")
+    return ServerBuffers(0, graph or 0, None, said + (f", compute graph {graph / MIB:.2f} MiB" if graph else ""),
+                         weights)
 
 def parse_server_log(log_text: str, requested: str) -> KVCacheInfo:
     """The KV cache as an Ollama server log states it; dtype stays None unless the log confirms one."""
@@ -169,3 +196,15 @@ def gguf_architecture(gguf: Path) -> Optional[str]:
 # engine gets ENGINE_CACHE instead (one cache of context x slots cells, its sliding windows sized)
 RUNNER_CACHE = CacheModel(name="ollama", paged=False, context_per_slot=True, default_slots=1, cell_pad=CELL_PAD,
                           default_context=default_context_tokens)
+
+
+# Its resident memory on the CPU (kvexp/capacity/cpumemory.py), its serve process and its runner together:
+# the runtime beside the weights and buffers its log states and the KV cache, as base + per token + per BPE
+# merge, fitted by least squares to 6 levels of Ollama 0.24.0 on this machine (AMD EPYC, 2 cores): kvexp's tiny
+# model (356 tokens) and SmolLM2-135M (49,152 tokens, 48,900 merges) on its llama.cpp runner, Gemma 3 270M
+# (262,144 tokens) on its own engine; 2 slots, scenario smoke. Residuals within 1.5 MiB but Gemma 3's, 14.4 MiB
+# either side (its two levels measured 29 MiB apart). Its runner keeps no prompt cache beside the KV cache.
+CPU_MEMORY = CpuMemoryModel(
+    "ollama", round(74.0 * MIB), "fitted to the measured RSS of 6 levels of Ollama 0.24.0 (tiny, SmolLM2-135M, "
+    "Gemma 3 270M; kvexp/backends/ollamacache.py): base + per token + per merge",
+    runtime_per_vocab_bytes=448, runtime_per_merge_bytes=486, logs_buffers=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvexp.backends.base import Adapter, BackendError
-from kvexp.backends.process import ServerProcess, free_port, port_in_use
+from kvexp.backends.process import LogCap, ServerProcess, free_port, port_in_use
 from kvexp.core.config import ExperimentConfig
 
 
@@ -48,7 +48,8 @@ class ServerPool:
         port = b.port or free_port(b.host)
         argv = backend.launch_argv(port)
         proc = ServerProcess(argv, backend.launch_env(port), log_path, f"{b.name} server", b.stop_grace_s,
-                             unset=backend.launch_env_unset(), cpus=backend.spec.cpus)
+                             unset=backend.launch_env_unset(), cpus=backend.spec.cpus,
+                             log_cap=LogCap.of(cfg.log, backend.log_kept))
         proc.start()
         base = f"http://{_url_host(cfg.backend.host)}:{port}"
         try:

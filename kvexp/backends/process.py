@@ -1,7 +1,8 @@
 """Launch, readiness, logging and shutdown of a server process; shared by every backend.
 
-The server runs in its own session and process group with stdout/stderr going to a log file, watched by
-a small process that ends the whole session when kvexp ends (kvexp/backends/watcher.py). Readiness is polled
+The server runs in its own session and process group with stdout/stderr going through a pipe to a small
+process that keeps its log under a cap (kvexp/backends/serverlog.py), watched by another that ends the
+whole session when kvexp ends (kvexp/backends/watcher.py). Readiness is polled
 against a deadline while watching for early exit (the error quotes the log's last lines). Stopping
 sends SIGTERM to the whole group, waits a grace period, then SIGKILLs it. Every live server is also
 registered for an atexit/signal sweep, so none outlives kvexp: `raise_on_signals()` turns SIGINT,
@@ -12,23 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import logging
 import os
 import re
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kvexp.backends import launched, watcher
+from kvexp.backends import launched, serverlog, watcher
 from kvexp.backends.base import SCRATCH, BackendError
+from kvexp.core.config import LogConfig
 
 _LIVE: set["ServerProcess"] = set()
 # SIGHUP (a closed terminal or ssh session), SIGQUIT (Ctrl-\\) and SIGUSR1/2 (whose default action would
@@ -64,7 +71,9 @@ def port_in_use(host: str, port: int) -> bool:
 
 def tail(path: Path, lines: int = 15) -> str:
     try:
-        data = path.read_bytes()[-16384:].decode("utf-8", "replace")
+        with open(path, "rb") as f:
+            f.seek(max(os.fstat(f.fileno()).st_size - 16384, 0))
+            data = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
     return "\n".join(data.splitlines()[-lines:])
@@ -87,14 +96,64 @@ def last_error_line(path: Path, limit: int = 300) -> Optional[str]:
     return None
 
 
+KEEPER_WAIT_S = 5.0  # for the log's keeper to write a stopped server's last words
+KEEPER_EXIT_WAIT_S = 2.0  # and those of a server that exited by itself (a child of it may hold the pipe longer)
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LogCap:
+    """What is kept of a server's output, in bytes (max_bytes None: all of it), and the pattern of the
+    lines kept whole besides (an adapter's log_kept; None: none)."""
+
+    max_bytes: Optional[int]
+    head_bytes: int
+    lines_max_bytes: Optional[int]
+    kept: Optional[str] = None
+
+    @classmethod
+    def of(cls, cfg: LogConfig, kept: Optional[str] = None) -> "LogCap":
+        def size(mb: Optional[float]) -> Optional[int]:
+            return None if mb is None else int(mb * MIB)
+        return cls(size(cfg.max_mb), size(cfg.head_mb) or 0, size(cfg.lines_max_mb), kept)
+
+    @property
+    def head(self) -> Optional[int]:
+        """The head the log's readers look for the marker in (None: no cap, no marker)."""
+        return None if self.max_bytes is None else self.head_bytes
+
+    @property
+    def lines_head(self) -> Optional[int]:
+        return None if self.lines_max_bytes is None else serverlog.lines_head(self.head_bytes, self.lines_max_bytes)
+
+
+def lines_path(log_path: Path) -> Path:
+    """Where the lines kept whole go: server.log -> server.lines.log."""
+    name = f"{log_path.stem}.lines{log_path.suffix}" if log_path.suffix else f"{log_path.name}.lines"
+    return log_path.with_name(name)
+
+
+def _set_aside(path: Path) -> None:
+    """A log a previous launch left (a resumed job's folder) becomes <name>.1, replacing an older one."""
+    try:
+        if path.stat().st_size:
+            os.replace(path, path.with_name(path.name + ".1"))
+    except OSError:
+        pass
+
+
 class ServerProcess:
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, name: str,
                  grace_s: float = 10.0, unset: list[str] | tuple[str, ...] = (),
-                 cpus: Optional[tuple[int, ...]] = None):
+                 cpus: Optional[tuple[int, ...]] = None, log_cap: Optional[LogCap] = None):
         self.argv = argv
         self.env = env
         self.unset = tuple(unset)  # inherited variables the server must not see
         self.log_path = log_path
+        self.lines_path = lines_path(log_path)
+        self.log_cap = log_cap or LogCap.of(LogConfig())
+        self.keeper: Optional[subprocess.Popen] = None  # keeps the log under its cap (kvexp/backends/serverlog.py)
+        self._ended_log = False
         self.name = name
         self.grace_s = grace_s  # SIGTERM -> SIGKILL
         self.cpus = cpus  # None: wherever kvexp may run (kvexp/core/placement.py)
@@ -113,7 +172,7 @@ class ServerProcess:
         self.scratch = launched.scratch_dir()
         if "TMPDIR" in self.env:  # one that does not exist sends a Python server's temporary files to /tmp
             Path(self.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        log, beside = self._log_pipes()
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -124,7 +183,7 @@ class ServerProcess:
                 preexec_fn=launched.preexec(self.cpus),
             )
             _LIVE.add(self)
-            self.watcher = launched.watch(self.proc.pid, self.scratch, log)
+            self.watcher = launched.watch(self.proc.pid, self.scratch, beside)
         except OSError as e:
             launched.remove_scratch(self.scratch)
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]}: {e.strerror}") from None
@@ -132,8 +191,102 @@ class ServerProcess:
             launched.remove_scratch(self.scratch)
             raise BackendError(f"{self.name}: cannot launch {self.argv[0]} on CPUs {self.cpus}: {e}") from None
         finally:
-            log.close()
+            for fd in {log, beside}:
+                os.close(fd)
         launched.remember(self.proc.pid, self.argv, self.scratch, self.watcher)
+
+    def _log_pipes(self) -> tuple[int, int]:
+        """The write ends the server and its watcher get: pipes to the log's keeper, started here, before
+        the server, so that a keeper that cannot start leaves the server writing to the file itself (uncapped,
+        as the warning says) before anything was launched. A log a previous launch left is set aside."""
+        _set_aside(self.log_path)
+        _set_aside(self.lines_path)
+        cap = self.log_cap
+        if sys.executable:
+            (read, write), (wread, wwrite) = os.pipe(), os.pipe()
+            try:
+                fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, serverlog.PIPE_BYTES)
+            except OSError:  # above this system's /proc/sys/fs/pipe-max-size: the default size serves too
+                pass
+            try:
+                self.keeper = subprocess.Popen(
+                    [sys.executable, "-I", "-S", serverlog.__file__, serverlog.spec(
+                        str(self.log_path), cap.max_bytes, cap.head_bytes, str(self.lines_path), cap.lines_max_bytes,
+                        cap.kept, other_fd=wread)],
+                    stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(wread,),
+                    start_new_session=True)  # a terminal's Ctrl-C must not end it before the server's last words
+                if self.cpus:  # its work is the server's output: on the server's CPUs, off the client's
+                    try:
+                        os.sched_setaffinity(self.keeper.pid, self.cpus)
+                    except OSError:
+                        pass
+                return write, wwrite
+            except OSError as e:
+                os.close(write)
+                os.close(wwrite)
+                logging.getLogger("kvexp").warning("%s: its log is not capped (the log keeper did not start: %s)",
+                                                   self.name, e.strerror or e)
+            finally:
+                os.close(read)
+                os.close(wread)
+        self.log_cap = LogCap(None, cap.head_bytes, None)  # what was kept: all of it, no lines apart
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        return fd, fd
+
+    def _log_written(self, timeout_s: float) -> None:
+        """Up to timeout_s for the keeper to have written all the server's processes wrote (it ends when
+        the last of them has closed the pipe)."""
+        if self.keeper is not None and self.keeper.poll() is None:
+            try:
+                self.keeper.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _log_caught_up(self, timeout_s: float = 1.0) -> None:
+        """Up to timeout_s for the keeper to have read all the server has written so far, so that what it
+        wrote before now is in the file, as when it wrote the file itself: the pipe is empty (FIONREAD on
+        the server's stdout, opened anew through /proc; Linux)."""
+        if self.keeper is None or self.proc is None or self.keeper.poll() is not None:
+            return
+        try:
+            fd = os.open(f"/proc/{self.proc.pid}/fd/1", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                return
+            deadline = time.monotonic() + timeout_s
+            while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] and time.monotonic() < deadline:
+                time.sleep(0.005)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def log_mark(self) -> tuple[int, int]:
+        """How much the server has written so far, to the log and to its kept lines (a mark for log_since)."""
+        self._log_caught_up()
+        return (serverlog.written(self.log_path, self.log_cap.head),
+                serverlog.written(self.lines_path, self.log_cap.lines_head))
+
+    def log_since(self, mark: tuple[int, int]) -> str:
+        """What the server wrote after mark, as far as the log keeps it (at most 4 MiB); where part of it
+        was dropped, the lines kept whole (its kept lines) come first."""
+        self._log_caught_up()
+        text, whole = serverlog.since(self.log_path, self.log_cap.head, mark[0])
+        if whole:
+            return text
+        kept, _ = serverlog.since(self.lines_path, self.log_cap.lines_head, mark[1])
+        return kept + text
+
+    def log_figures(self) -> dict[str, Any]:
+        """The log's bytes as a result records them (backend.server_log_bytes, .server_lines_log_bytes)."""
+        cap = self.log_cap
+        out: dict[str, Any] = {"server_log_bytes": serverlog.figures(self.log_path, cap.head, cap.max_bytes)}
+        if cap.kept is not None:
+            out["server_lines_log"] = str(self.lines_path)
+            out["server_lines_log_bytes"] = serverlog.figures(self.lines_path, cap.lines_head, cap.lines_max_bytes)
+        return out
 
     def exited(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None
@@ -143,6 +296,9 @@ class ServerProcess:
         rc = self.exited()
         if rc is None:
             return None
+        if not self._ended_log:  # its last words, once, before they are quoted
+            self._ended_log = True
+            self._log_written(KEEPER_EXIT_WAIT_S)
         said = last_error_line(self.log_path)
         said = f" (its last error: {said})" if said else ""
         if rc < 0:
@@ -164,7 +320,9 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
-                        return time.monotonic() - t0
+                        ready = time.monotonic() - t0
+                        self._log_caught_up()  # what it wrote before it answered is in its log
+                        return ready
             except (urllib.error.URLError, OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
@@ -205,6 +363,7 @@ class ServerProcess:
             if self.watcher is None or self.watcher.release():
                 launched.remove_scratch(self.scratch)
                 launched.forget(p.pid)
+        self._log_written(KEEPER_WAIT_S)
         return p.returncode
 
 

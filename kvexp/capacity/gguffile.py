@@ -45,6 +45,8 @@ class GGUFHeader:
     n_params: int  # elements of all tensors
     n_bytes: int  # bytes of all tensors
     tensor_types: dict[str, int]  # ggml type name -> number of tensors of it
+    vocab_size: int | None = None  # entries of tokenizer.ggml.tokens (None: the file holds no tokenizer)
+    merges: int | None = None  # entries of tokenizer.ggml.merges (a BPE tokenizer's; None: none)
 
 
 def _quant_sizes() -> dict[int, tuple[str, int, int]]:
@@ -134,9 +136,13 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
             raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = cur.count(), cur.count()
         meta: dict[str, Any] = {}
+        counts: dict[str, int] = {}
         for _ in range(n_kv):
             key = cur.string()
             vtype = cur.take("<I")
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") and vtype == _ARRAY \
+                    and cur.pos + 12 <= len(buf):
+                counts[key] = struct.unpack_from("<Q", buf, cur.pos + 4)[0]  # the array's count, after its type
             value = cur.value(vtype, keep_arrays=not key.startswith("tokenizer."))
             if value is not None and not key.startswith("tokenizer.ggml."):
                 meta[key] = value
@@ -162,4 +168,5 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
         if size < need:
             raise GGUFError(f"{path}: truncated: {size:,} bytes, but its tensors end at byte {need:,}")
     return GGUFHeader(path=path, version=version, metadata=meta, tensor_count=n_tensors,
-                      n_params=n_params, n_bytes=n_bytes, tensor_types=types)
+                      n_params=n_params, n_bytes=n_bytes, tensor_types=types,
+                      vocab_size=counts.get("tokenizer.ggml.tokens"), merges=counts.get("tokenizer.ggml.merges"))

@@ -25,7 +25,7 @@ __all__ = ["ModelArch", "arch_from", "arch_for", "model_files", "hf_config_field
            "architecture_of", "hub_download"]
 
 ARCH_KEYS = ("n_layers", "n_kv_heads", "head_dim", "params_b", "weight_bits", "dtype_bytes",
-             "context_length_tokens", "sliding_window", "sliding_layers")
+             "context_length_tokens", "sliding_window", "sliding_layers", "vocab_size", "vocab_merges")
 
 # GGUF architectures whose sliding layers follow a period, as llama.cpp's loader sets them when the file
 # names no `<arch>.attention.sliding_window_pattern` (src/models/<arch>.cpp: load_swa_pattern(ml, N)):
@@ -121,6 +121,7 @@ def hf_config_fields(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     elif "dtype_bytes" in values:
         put("weight_bits", values["dtype_bytes"] * 8, "config.json dtype")
     put("context_length_tokens", _first(c, "max_position_embeddings", "n_positions", "max_seq_len"))
+    put("vocab_size", c.get("vocab_size") if isinstance(c.get("vocab_size"), int) else None)
     window, sliding, how = _hf_window(c, layers)
     put("sliding_window", window, how)
     put("sliding_layers", sliding, how)
@@ -328,6 +329,11 @@ def _read_files(files: Path) -> tuple[dict[str, Any], dict[str, str]]:
     if gguf_path is not None and gguf_path.suffix == ".gguf":
         meta, n_params, n_bytes = read_gguf_fields(gguf_path)
         values, sources = gguf_fields(meta, n_params, n_bytes)
+        header = gguffile.read_header(gguf_path)  # cached: read once
+        for key, value, field in (("vocab_size", header.vocab_size, "tokens"),
+                                  ("vocab_merges", header.merges, "merges")):
+            if value is not None:
+                values[key], sources[key] = value, f"gguf header (tokenizer.ggml.{field})"
         ft = gguf_file_type(meta)
         if ft is not None:
             sources["file_type"] = ft
@@ -386,6 +392,7 @@ def arch_from(model: ModelConfig, files: Path | None, *, prefer_preset: bool = F
         weight_bits=values.get("weight_bits"), dtype_bytes=values.get("dtype_bytes"),
         sources=sources, name=model.name, context_length_tokens=values.get("context_length_tokens"),
         sliding_window=values.get("sliding_window"), sliding_layers=values.get("sliding_layers"),
+        vocab_size=values.get("vocab_size"), vocab_merges=values.get("vocab_merges"),
     )
 
 

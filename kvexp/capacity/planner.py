@@ -133,6 +133,8 @@ class ModelArch:
     context_length_tokens: Optional[int] = None  # the model's trained context, where known
     sliding_window: Optional[int] = None  # tokens a sliding-window layer attends to (None: no window)
     sliding_layers: Optional[int] = None  # how many of the layers slide (None or 0: every layer is global)
+    vocab_size: Optional[int] = None  # tokens of the tokenizer (a CPU server's RSS: kvexp/capacity/cpumemory.py)
+    vocab_merges: Optional[int] = None  # a BPE tokenizer's merges (0 or None: none)
 
     @property
     def windowed(self) -> bool:

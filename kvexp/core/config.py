@@ -292,6 +292,22 @@ class QualityConfig:
 
 
 @dataclass
+class LogConfig:
+    """What is kept on disk of the output of a server kvexp launches (kvexp/backends/serverlog.py). A
+    llama-server at -lv 4 lists its whole prompt cache at every request: uncapped, 5,000 requests on the
+    tiny model wrote 3.8 GB. Not part of a job's spec (its config hash): a resumed job may change it."""
+
+    # server.log at most: its head, one line saying how many bytes were dropped, and the latest output
+    # (null: no cap, the whole log)
+    max_mb: Optional[float] = 8.0
+    # of which the head: the launch, with the model's and the KV cache's lines
+    head_mb: float = 2.0
+    # <log>.lines.log at most: the lines kvexp reads back later, kept whole as they stream (llama-server's
+    # per-request timings, Ollama's runner restarts), capped the same way (null: no cap)
+    lines_max_mb: Optional[float] = 8.0
+
+
+@dataclass
 class GPUConfig:
     name: Optional[str] = None  # None: read from NVML
     memory_gib: Optional[float] = None  # None: read from NVML
@@ -308,6 +324,7 @@ class ExperimentConfig:
     gpu: GPUConfig = field(default_factory=GPUConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     # What to do with a backend/kv pair that cannot run: auto (skip it in a sweep, refuse a single run),
     # error (stop at start, also a sweep) or skip (record why, also a single run).
     unsupported: Unsupported = Unsupported.auto

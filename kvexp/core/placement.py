@@ -7,10 +7,13 @@ may use, the job's event loop and its worker processes to the others (the last o
 land on CPU 0). The client gets one CPU per worker process it may start (client.workers, or for auto
 one per 64 concurrent streams), at least one, and the server at least one.
 
-auto splits when kvexp launches the server and may use two or more CPUs, unless the server places its
-own threads (vLLM's CPU build binds its OpenMP threads itself and keeps a CPU for its scheduler: pinned
-to fewer CPUs it would keep none). An attached server (backend.endpoint) is not kvexp's to place. Every
-result records the placement in environment.placement, with the CPUs the server's process was seen on."""
+auto splits when kvexp launches the server and may use two or more CPUs, whichever the server: every
+process a server starts inherits the CPUs of the process kvexp launched (llama-server's threads, Ollama's
+runner, vLLM's engine core and workers), and a server that binds threads itself is told the same CPUs
+(vLLM's CPU build: VLLM_CPU_OMP_THREADS_BIND, its adapter), so every server of a comparison has the same
+CPU budget. An attached server (backend.endpoint) is not kvexp's to place. Every result records the
+placement in environment.placement, with the CPUs every thread of the server's process tree was read
+back on during the run (`tree_cpus`): what was applied, not only what was asked."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
+
+import psutil
 
 from kvexp.core.config import ConfigError, ExperimentConfig, Placement, highest_concurrency
 from kvexp.core.machine import cpu_ids, usable_cpus
@@ -41,10 +46,12 @@ class CpuPlan:
         CPUs kvexp may use but one (the load generator's)."""
         return len(self.server_cpus) if self.server_cpus else max(1, usable_cpus() - 1)
 
-    def to_json(self, server_seen: Optional[list[int]] = None) -> dict[str, Any]:
+    def to_json(self, seen: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """environment.placement; seen: `tree_cpus` of the server (None: not launched by kvexp, or gone)."""
         return {"mode": self.mode, "server_cpus": None if self.server_cpus is None else list(self.server_cpus),
                 "client_cpus": None if self.client_cpus is None else list(self.client_cpus),
-                "server_cpus_seen": server_seen, "reason": self.reason}
+                "server_cpus_seen": None if seen is None else seen["cpus"],
+                "server_processes": None if seen is None else seen["processes"], "reason": self.reason}
 
 
 def client_share(workers: Any, streams: int, cpus: int) -> int:
@@ -53,11 +60,9 @@ def client_share(workers: Any, streams: int, cpus: int) -> int:
     return max(1, min(wanted, cpus - 1))
 
 
-def plan(cfg: ExperimentConfig, places_itself: Optional[str] = None,
-         cpus: Optional[list[int]] = None) -> CpuPlan:
-    """The placement of cfg's job on `cpus` (default: the CPUs kvexp may use). places_itself: why the
-    server places its own threads (auto then shares). client.placement=split on one CPU, or with an
-    attached server, is refused (ConfigError)."""
+def plan(cfg: ExperimentConfig, cpus: Optional[list[int]] = None) -> CpuPlan:
+    """The placement of cfg's job on `cpus` (default: the CPUs kvexp may use). client.placement=split on
+    one CPU, or with an attached server, is refused (ConfigError)."""
     setting = cfg.client.placement
     cpus = sorted(cpus if cpus is not None else cpu_ids())
     if cfg.backend.endpoint:
@@ -71,8 +76,6 @@ def plan(cfg: ExperimentConfig, places_itself: Optional[str] = None,
         if setting == Placement.split:
             raise ConfigError(f"client.placement=split needs 2 or more CPUs; kvexp may use {len(cpus)}")
         return CpuPlan("shared", None, None, "one CPU: nothing to split")
-    if setting == Placement.auto and places_itself:
-        return CpuPlan("shared", None, None, places_itself)
     k = client_share(cfg.client.workers, highest_concurrency(cfg.scenario), len(cpus))
     return CpuPlan("split", tuple(cpus[:-k]), tuple(cpus[-k:]),
                    f"client.placement={setting}: the server on {len(cpus) - k} CPU(s), the client on {k}")
@@ -90,6 +93,46 @@ def cpus_of(pid: Optional[int]) -> Optional[list[int]]:
         return sorted(os.sched_getaffinity(pid)) if pid else None
     except (OSError, AttributeError):
         return None
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return [pid]
+
+
+def tree_cpus(pid: Optional[int]) -> Optional[dict[str, Any]]:
+    """The CPUs every thread of a process and of every process under it may run on, read back from the
+    operating system: {"cpus": their union, "processes": [{"pid", "name", "threads", "cpus"}] (a process's
+    cpus: the union over its threads)}. A server that set its threads' CPUs itself shows here. None: no
+    such process, or not Linux."""
+    if not pid:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    rows: list[dict[str, Any]] = []
+    for proc in procs:
+        cpus: set[int] = set()
+        threads = 0
+        for tid in _threads(proc.pid):
+            try:
+                cpus |= os.sched_getaffinity(tid)
+                threads += 1
+            except (OSError, AttributeError):  # a thread that ended meanwhile; not Linux
+                continue
+        if threads:
+            try:
+                name = proc.name()
+            except psutil.Error:
+                continue
+            rows.append({"pid": proc.pid, "name": name, "threads": threads, "cpus": sorted(cpus)})
+    if not rows:
+        return None
+    return {"cpus": sorted({c for r in rows for c in r["cpus"]}), "processes": rows}
 
 
 @contextmanager

@@ -169,10 +169,14 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
                                   ready_s=round(server.ready_s, 3),
                                   server_log=str(server.process.log_path))
             res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
-        res["environment"]["placement"] = backend.placement.to_json(placement.cpus_of(server and server.process.pid))
+        server_pid = server.process.pid if server else None
+        res["environment"]["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
         job.save()
         with placement.client_side(backend.placement):  # the server on its CPUs, the client on the others
             asyncio.run(_measure(job, backend, server, observer, arch))
+        seen = placement.tree_cpus(server_pid)  # after the levels: every process and thread the server started
+        if seen is not None:
+            res["environment"]["placement"] = backend.placement.to_json(seen)
         raise_if_interrupted()
         if quality.wanted(cfg):  # what the KV dtype costs in quality
             res["quality"] = quality.measure(cfg, res, backend, out_dir)
@@ -188,8 +192,11 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         res["status_reason"] = _reason(e, server, len(res["levels"]))
         raise
     finally:
-        if log_path.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
-            res["backend"]["log_tail"] = tail(log_path, 20)
+        if server is not None:  # the server's log (kept under log.max_mb), and what it dropped
+            res["backend"].update(server.process.log_figures())
+        said = server.process.log_path if server is not None else log_path  # a reused server's is an earlier job's
+        if said.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
+            res["backend"]["log_tail"] = tail(said, 20)
         res["finished_at"] = utc_now()
         res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
         reserve.release()
@@ -276,7 +283,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         _record_kv(res, kv)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(backend, res, arch)
+        res["planner"] = _planner_block(backend, res, arch, log_text)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s, job.out_dir)
         res["workload"] = maker.describe()
@@ -302,7 +309,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     _check_alive(server)
                     if server is None:
                         await _check_attached(backend, session)
-                    log_at = _log_size(server)
+                    log_at = server.process.log_mark() if server else None
                     summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
                                                repeat, observer)
                     if summary["status"] == "ok" and (lost := backend.model_lost(_log_since(server, log_at))):
@@ -488,23 +495,10 @@ def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
 LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
 
 
-def _log_size(server: Optional[Server]) -> int:
-    try:
-        return server.process.log_path.stat().st_size if server else 0
-    except OSError:
-        return 0
-
-
-def _log_since(server: Optional[Server], offset: int) -> str:
-    """What the launched server's log gained since offset (at most 4 MiB of it); "" for an attached server."""
-    if server is None:
-        return ""
-    try:
-        with open(server.process.log_path, "rb") as f:
-            f.seek(offset)
-            return f.read(4 << 20).decode("utf-8", "replace")
-    except OSError:
-        return ""
+def _log_since(server: Optional[Server], mark: Optional[tuple[int, int]]) -> str:
+    """What the launched server wrote since mark, as far as its log keeps it (at most 4 MiB; where the cap
+    dropped part of it, the lines kept whole come first); "" for an attached server."""
+    return "" if server is None or mark is None else server.process.log_since(mark)
 
 
 async def _server_log(backend: Adapter, server: Optional[Server]) -> str:
@@ -544,12 +538,14 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
         return None
 
 
-def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch]) -> Optional[dict[str, Any]]:
+def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch],
+                   log_text: str = "") -> Optional[dict[str, Any]]:
     """The planner's prediction for the server that was launched, beside what will be measured
-    (None if it cannot plan)."""
+    (None if it cannot plan); its log so far gives the buffers it allocated at start (a CPU's RSS)."""
     try:
         return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
-                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch)
+                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch,
+                                  server_log=log_text or None)
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res["label"], e)
         return None

@@ -203,7 +203,9 @@ def shown_value(level: Any, key: str) -> Optional[str]:
     marked "(server)", the other burst-delivered latencies "— (bursts)"; an under-sampled KV peak shows as
     a lower bound."""
     m = METRICS.get(key)
-    codes = level.warning_codes & set(m.disqualified_by if m else ())
+    if m is None or not m.disqualified_by or not level.warnings:
+        return None  # no warning can disqualify it
+    codes = level.warning_codes & set(m.disqualified_by)
     if "bursts" in codes:
         server = level.value("server.tpot_p50_ms")
         server = server if is_num(server) else level.value("server.tpot_mean_ms")

@@ -8,11 +8,15 @@ label is fixed for the whole report and a single legend figure per scenario name
 from __future__ import annotations
 
 import io
+import logging
 import math
+import multiprocessing
 import re
-from dataclasses import dataclass
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
@@ -20,8 +24,11 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
 from kvexp.backends import find
+from kvexp.core import machine
 
-_PALETTE = (
+log = logging.getLogger(__name__)
+
+PALETTE = (
     # tab10, then the lighter halves of tab20, then tab20b: distinct first, similar only past 30 runs.
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
     "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
@@ -37,6 +44,7 @@ def marker(backend: Any) -> str:
 
 MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
 MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
+MAX_LABELLED_SERIES = 4  # above this many lines a chart labels each line's first and last point only
 FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page
 PNG_DPI = 110
 _RC = {
@@ -77,7 +85,8 @@ class Chart:
     name: str
     title: str
     svg: Optional[str] = None  # an <svg> element, ready to inline
-    png: Optional[str] = None  # path relative to the report folder
+    png: Optional[str] = None  # the image beside the Markdown, relative to the report folder (a PNG; an
+    # SVG in a large report, save_svgs)
 
 
 def colour_map(keys: Iterable[str]) -> dict[str, str]:
@@ -85,7 +94,7 @@ def colour_map(keys: Iterable[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for k in keys:
         if k not in out:
-            out[k] = _PALETTE[len(out) % len(_PALETTE)]
+            out[k] = PALETTE[len(out) % len(PALETTE)]
     return out
 
 
@@ -131,6 +140,39 @@ def presentation_attributes(svg: str) -> str:
     return _STYLED_TAG.sub(one, svg)
 
 
+_BARE_GROUP = re.compile(r'\s*<g(?: id="[^"]*")?>\s*')
+_GROUP_START = re.compile(r'\s*<g\b[^<>]*[^/<>]>\s*')
+
+
+def lean(svg: str) -> str:
+    """matplotlib's SVG without what draws nothing: its RDF metadata, and the <g id=...> wrapped around
+    every artist (a group with no attribute but its id: nothing refers to it, and its children draw the
+    same without it). Half the elements go, and with them much of WeasyPrint's time on a chart. matplotlib
+    writes each group's tags on lines of their own; an SVG not written so is left as it is."""
+    out: list[str] = []
+    kept: list[bool] = []  # per open group: whether its tags are kept
+    metadata = False
+    for line in svg.split("\n"):
+        tag = line.strip()
+        if metadata or tag == "<metadata>":
+            metadata = tag != "</metadata>"
+            continue
+        if _BARE_GROUP.fullmatch(line):
+            kept.append(False)
+            continue
+        if _GROUP_START.fullmatch(line):
+            kept.append(True)
+        elif tag == "</g>":
+            if not kept:
+                return svg
+            if not kept.pop():
+                continue
+        elif "<g" in line or "</g>" in line:
+            return svg  # (a group's tag beside others: not matplotlib's layout)
+        out.append(line)
+    return "\n".join(out) if not kept and not metadata else svg
+
+
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
           svg: bool) -> tuple[Optional[str], Optional[str]]:
     svg_text = png_rel = None
@@ -139,12 +181,48 @@ def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
             text = buf.getvalue()
-            svg_text = presentation_attributes(scoped_ids(text[text.find("<svg"):], name))
+            svg_text = lean(presentation_attributes(scoped_ids(text[text.find("<svg"):], name)))
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             fig.savefig(out_dir / f"{name}.png", format="png", dpi=PNG_DPI)
             png_rel = f"{rel_dir}/{name}.png"
     return svg_text, png_rel
+
+
+_CORNERS = ("upper right", "upper left", "lower left", "lower right")  # in matplotlib's order of preference
+
+
+def _middle(p: tuple[float, float], q: tuple[float, float], spec: ChartSpec) -> tuple[float, float]:
+    """The middle of a segment as drawn (on a log axis, the geometric mean)."""
+    def mid(a: float, b: float, log: bool) -> float:
+        return math.sqrt(a * b) if log and a > 0 and b > 0 else (a + b) / 2
+    return mid(p[0], q[0], spec.logx), mid(p[1], q[1], spec.logy)
+
+
+def _legend_corner(ax: Any, spec: ChartSpec, key: Sequence[Line2D]) -> str:
+    """The corner whose legend box covers the fewest data points: matplotlib's loc="best" measures every
+    line and label of the chart at nine places (half a chart's drawing time); the box's size is
+    estimated from the entries (7-point text) and the points counted in axes coordinates."""
+    pts: list[tuple[float, float]] = []
+    for s in spec.series:
+        line = [(x, y) for x, y in zip(s.xs, s.ys) if y is not None and not math.isnan(y)]
+        pts += line + [_middle(p, q, spec) for p, q in zip(line, line[1:])]  # and what the lines cross
+    if not pts:
+        return _CORNERS[0]
+    ax.get_xlim(), ax.get_ylim()  # (autoscale now: the transform reads the limits)
+    frac = list(ax.transAxes.inverted().transform(ax.transData.transform(pts)))
+    for y, _ in spec.hlines:  # a grey line across the chart
+        fy = ax.transAxes.inverted().transform(ax.transData.transform([(pts[0][0], y)]))[0][1]
+        frac += [(fx, fy) for fx in (0.02, 0.25, 0.5, 0.75, 0.98)]
+    width = min(0.95, 0.1 + 0.0125 * max(len(h.get_label()) for h in key))
+    height = min(0.95, 0.04 + 0.058 * len(key))
+    counts = []
+    for corner in _CORNERS:
+        left, bottom = corner.endswith("left"), corner.startswith("lower")
+        inside = sum(1 for fx, fy in frac if (fx <= width if left else fx >= 1 - width)
+                     and (fy <= height if bottom else fy >= 1 - height))
+        counts.append(inside)
+    return _CORNERS[counts.index(min(counts))]
 
 
 def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel_dir: str = "charts") -> Chart:
@@ -162,10 +240,11 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             xs_all.update(x for x, _ in pts)
             ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
                     markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
-            for (x, y), text in zip(pts, s.point_labels):
-                if not math.isnan(y):
+            ends = len(spec.series) > MAX_LABELLED_SERIES  # (every point's label would overlap another's)
+            for i, ((x, y), text) in enumerate(zip(pts, s.point_labels)):
+                if not math.isnan(y) and (not ends or i in (0, len(pts) - 1)):
                     ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
-                                color=s.colour)
+                                color=s.colour, annotation_clip=False)  # (its point is data: inside the axes)
         for y, _what in spec.hlines:
             ax.axhline(y, color="#555555", linestyle=":", linewidth=1)
         if spec.logx and xs_all and min(xs_all) > 0:
@@ -183,7 +262,7 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
         else:
             ax.set_ylim(bottom=0)
-        ax.set_title(_text(spec.title))
+        ax.set_title(_text(spec.title), y=1.0)  # a fixed place: no search of the ticks' boxes for room
         ax.set_xlabel(_text(spec.xlabel))
         ax.set_ylabel(_text(spec.ylabel))
         key = [Line2D([], [], color="#555555", linestyle=ls, linewidth=1.2, label=_text(what))
@@ -194,7 +273,7 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             key += [Line2D([], [], color=s.colour, marker=s.marker, markersize=3.5, linewidth=1.4,
                            label=_text(s.label)) for s in spec.series]
         if key:
-            ax.legend(handles=key, loc="best", frameon=False)
+            ax.legend(handles=key, loc=_legend_corner(ax, spec, key), frameon=False)
         svg_text, png = _save(fig, spec.name, png_dir, rel_dir, svg)
     return Chart(spec.name, spec.title, svg_text, png)
 
@@ -211,3 +290,72 @@ def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: O
         fig.legend(handles=handles, loc="center", ncol=ncol, frameon=False, fontsize=8, columnspacing=2.0)
         svg_text, png = _save(fig, name, png_dir, rel_dir, svg)
     return Chart(name, "Legend", svg_text, png)
+
+
+# Below this many charts one process draws them sooner than a pool starts; above it, one process per CPU
+# (up to MAX_WORKERS) draws them: matplotlib takes 0.1-0.3 s of one core per chart and format.
+PARALLEL_MIN_CHARTS = 6
+MAX_WORKERS = 4
+
+
+def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Callable[[], list[Chart]]:
+    """Start drawing each (render_chart or render_legend, its arguments); returns the function that waits
+    for the Charts, in order. Many are drawn by worker processes, one per CPU (fork where this process
+    holds no other thread, else spawn), while this process goes on with other work; few, or on one CPU,
+    or when the pool fails, are drawn here when asked for."""
+    workers = min(machine.usable_cpus(), MAX_WORKERS, len(tasks))
+    if workers < 2 or len(tasks) < PARALLEL_MIN_CHARTS:
+        return lambda: [fn(*args) for fn, args in tasks]
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+        else "spawn"  # (as kvexp.report.pdf starts its workers)
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
+        futures = [pool.submit(fn, *args) for fn, args in tasks]
+    except (OSError, RuntimeError) as e:  # (a pool that cannot start: draw them here)
+        log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
+        return lambda: [fn(*args) for fn, args in tasks]
+
+    def result() -> list[Chart]:
+        try:
+            return [f.result() for f in futures]
+        except (OSError, RuntimeError) as e:  # (a worker that died: draw them here)
+            log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
+            return [fn(*args) for fn, args in tasks]
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+    return result
+
+
+def start_views(views: Sequence[Optional[dict]]) -> Callable[[], None]:
+    """Start drawing the charts and legends the views hold as (function, arguments) (their "charts" list
+    and "legend"), all at once (start_all); the function returned waits for them and puts each Chart in
+    its place."""
+    views = [v for v in views if v]
+    tasks = [t for v in views for t in [*v["charts"], *([v["legend"]] if v.get("legend") else [])]]
+    waiting = start_all(tasks)
+
+    def finish() -> None:
+        drawn = iter(waiting())
+        for v in views:
+            v["charts"] = [next(drawn) for _ in v["charts"]]
+            v["legend"] = next(drawn) if v.get("legend") else None
+
+    return finish
+
+
+def save_svgs(views: Sequence[Optional[dict]], out_dir: Path, rel_dir: str = "charts") -> None:
+    """Each drawn chart and legend of the views also as an SVG file beside the Markdown (a large report's
+    Markdown shows these instead of PNGs: the same drawing as the HTML's, not a second one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def saved(c: Optional[Chart]) -> Optional[Chart]:
+        if c is None or c.svg is None:
+            return c
+        (out_dir / f"{c.name}.svg").write_text(c.svg, encoding="utf-8")
+        return replace(c, png=f"{rel_dir}/{c.name}.svg")
+
+    for v in views:
+        if v:
+            v["charts"] = [saved(c) for c in v["charts"]]
+            v["legend"] = saved(v.get("legend"))

@@ -13,6 +13,7 @@ from kvexp.capacity.planner import kv_bytes_per_token
 from kvexp.metrics import registry
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.planning import recompute, whatif
+from kvexp.planning.memory import memory_check, parts_words
 from kvexp.planning.calibration import CalibrationError, load as load_calibration
 from kvexp.report.tables import Table, drop_empty, level_cell
 from kvexp.results.runs import Aggregate
@@ -149,8 +150,33 @@ def planner_view(agg: Aggregate) -> dict:
         calibration = Table([h for _, h, _ in cols] + list(CHECK_HEADERS), rows,
                             [n for _, _, n in cols] + [True, True, False], kind="wide")
     return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
-            "calibration": calibration, "whatif": whatif_view(agg),
+            "memory": memory_view(agg), "calibration": calibration, "whatif": whatif_view(agg),
             "derived": any(p is not None and p.source == "calibration table" for _, p in plans)}
+
+
+def _gib3(v: Optional[float]) -> str:
+    return registry.UNKNOWN if v is None else f"{v:.3f}"  # MiB apart: the figures a prediction is held to
+
+
+def memory_view(agg: Aggregate) -> Optional[Table]:
+    """Each run's predicted peak memory beside the measured one: on the CPU the RSS of the server's
+    processes, with the prediction's parts; on a GPU its memory (kvexp/planning/memory.py)."""
+    rows = []
+    for _, sruns in agg.scenarios():
+        for r in sruns:
+            c = memory_check({"planner": r.planner, "levels": [lv.to_json() for lv in r.levels]}) \
+                if r.planner else None
+            if c is None:
+                continue
+            err = c.error_pct
+            rows.append([r.label, r.backend_name, r.kv.display, c.words,
+                         _gib3(c.predicted_gib), _gib3(c.measured_gib),
+                         "—" if err is None else f"{err:+.1f}", parts_words(c)])
+    if not rows:
+        return None
+    return Table(["Run", "Backend", "KV", "Memory measured", "Planner peak (GiB)", "Measured peak (GiB)",
+                  "Measured vs planner (%)", "Planner's parts"], rows,
+                 [False] * 4 + [True] * 3 + [False], kind="wide")
 
 
 CHECK_HEADERS = ("kvexp planner (tokens)", "kvexp error (%)", "Document vs kvexp")

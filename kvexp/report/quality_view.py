@@ -13,6 +13,7 @@ from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
 from kvexp.analysis.verdict import kv_key, kv_lookups, short_names
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
+from kvexp.report.scenario_view import CHART_RUNS
 from kvexp.report.tables import Table, drop_empty
 from kvexp.results.runs import Aggregate
 
@@ -39,7 +40,8 @@ def _memory_vs_drift(agg: Aggregate, colours: dict[str, str]) -> list[C.Series]:
     return out
 
 
-def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path], svg: bool) -> Optional[dict]:
+def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path], svg: bool,
+                 svg_legend: bool = False) -> Optional[dict]:
     """The quality section: one row per run and context depth (teacher-forced drift from the 16-bit KV
     baseline, beside the run's KV capacity and its continuation agreement) and a chart of mean KLD
     against context depth; None when no run measured quality."""
@@ -51,6 +53,8 @@ def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path
                "Prefix agree", "Baseline from"]
     rows, series, methods, notes = [], [], {}, []
     names = short_names(runs)
+    drawn: dict[tuple, str] = {}  # a KV configuration's line, when there are more runs than a chart can tell apart
+    one_each = len(runs) > CHART_RUNS
     for r in runs:
         q = r.quality
         tf, cont, base = q.get("teacher_forced") or {}, q.get("continuation") or {}, q.get("baseline") or {}
@@ -81,33 +85,43 @@ def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path
                if d.get("status") == "ok" and is_num(d.get("kld_mean")) and d["kld_mean"] > 0]
         if q.get("kv") == base.get("kv"):  # the baseline against itself: the method's floor, in the table
             pts = []
+        if pts and one_each and kv_key(r) in drawn:
+            pts = []
         if pts:
             label = r.label
-            series.append(C.Series(names[label], colours.get(label, "#1f77b4"), tuple(x for x, _ in pts),
+            drawn[kv_key(r)] = label
+            name = short_names([r])[label] if one_each else names[label]
+            series.append(C.Series(name, colours.get(label, "#1f77b4") if not one_each else
+                                   C.PALETTE[(len(series)) % len(C.PALETTE)], tuple(x for x, _ in pts),
                                    tuple(y for _, y in pts), C.marker(r.backend)))
     ys = [y for s_ in series for y in s_.ys if y is not None]
     logy = bool(ys) and max(ys) / min(ys) > 20
     if series:
         notes.append("The chart shows the KV dtypes other than the baseline; the baseline against itself (the "
                      "method's floor) is in the table.")
+    if one_each and series:
+        notes.append(f"{len(runs)} runs measured quality: the chart draws one line per backend, model and KV "
+                     "dtype (its first run's); the table holds every run.")
     charts = []
     if series:
         spec = C.ChartSpec("quality-kld", "Mean KLD from the 16-bit KV cache vs context depth",
                            "Context depth (tokens)", "Mean KLD (nats" + (", log scale)" if logy else ")"),
                            tuple(series), logx=True, logy=logy)
-        charts.append(C.render_chart(spec, png_dir, svg))
+        charts.append((C.render_chart, (spec, png_dir, svg)))  # drawn with the others (charts.start_views)
     trade = _memory_vs_drift(agg, colours)
     if trade:
-        charts.insert(0, C.render_chart(C.ChartSpec(
+        charts.insert(0, (C.render_chart, (C.ChartSpec(
             "quality-memory", "KV memory per token vs drift, per KV dtype", "Mean KLD at the deepest depth (nats)",
-            "KV cache bytes per token", tuple(trade), legend=True, data_ticks=False), png_dir, svg))
+            "KV cache bytes per token", tuple(trade), legend=True, data_ticks=False), png_dir, svg)))
     entries = [(s_.label, s_.colour, s_.marker) for s_ in series]
-    legend = C.render_legend("quality-legend", entries, png_dir, svg=False) if entries and png_dir is not None else None
+    legend = (C.render_legend, ("quality-legend", entries, png_dir, svg_legend)) \
+        if entries and (png_dir is not None or svg_legend) else None
     table = Table(headers, rows, [False, False, False] + [True] * 13 + [False], kind="wide")
     return {"table": drop_empty(table, keep=4), "charts": charts, "notes": notes, "legend": legend,
             "legend_items": [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                              for lab, col, m in entries],
-            "methods": [f"{m}: {p}" if p else m for m, p in methods.items()]}
+            "methods": [f"{m}: {p}" if p else m for m, p in methods.items()],
+            "best": list(drawn.values()) if one_each else [r.label for r in runs]}
 
 
 def card_view(agg: Aggregate) -> list[dict]:

@@ -19,26 +19,32 @@ import json
 import logging
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from markupsafe import Markup
 
 from kvexp.analysis import documents as D, findings as F, flags as FL
-from kvexp.analysis.recommend import recommendations
-from kvexp.analysis.verdict import verdicts
+from kvexp.analysis.aggregate import interpretation
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.planning import recompute
 from kvexp.report import charts as C, pdf
+from kvexp.report.digest import digest
 from kvexp.report.planner_view import planner_view
 from kvexp.report.quality_view import card_view, quality_view
-from kvexp.report.scenario_view import scenario_views
+from kvexp.report.scenario_view import CHART_RUNS, scenario_views
 from kvexp.report.setup_view import default_title, setup_view
 from kvexp.report.tables import write_csv
 from kvexp.report.templating import ReportError, environment, templates_dir
 from kvexp.results.runs import Aggregate, Run
 from kvexp.results.validate import validate_document
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is optional (the `fast` extra)
+    orjson = None
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,18 @@ def _json_safe(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_json_safe(x) for x in v]
     return v
+
+
+def json_text(doc: Any) -> str:
+    """A document as indented JSON, a number that is not finite as null: with orjson where it is installed
+    (the `fast` extra; a 1,000-run aggregate in 0.1 s instead of 1 s), else json. The two write the same
+    values; orjson writes some floats in other digits (0.000027 for 2.7e-05)."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n"
+        except (TypeError, orjson.JSONEncodeError):  # (an integer beyond 64 bits, a type orjson does not know)
+            pass
+    return json.dumps(_json_safe(doc), indent=2, ensure_ascii=False) + "\n"
 
 
 def colour_key(run: Run) -> str:
@@ -101,14 +119,36 @@ def skipped_runs(runs: list[Run]) -> list[dict[str, str]]:
 def build_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Optional[Path] = None,
                   svg: bool = True) -> dict:
     """Everything the templates show, as plain strings, tables and rendered charts."""
+    ctx, finish = start_context(aggregate, title, png_dir, svg)
+    finish()
+    return ctx
+
+
+def is_large(aggregate: Aggregate) -> bool:
+    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS): its charts
+    show the best runs, its Markdown links them as SVG files and its PDF is a summary (report/digest.py)."""
+    return any(len(runs) > CHART_RUNS for _, runs in aggregate.scenarios())
+
+
+def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Optional[Path] = None,
+                  svg: bool = True) -> tuple[dict, Callable[[], None]]:
+    """build_context with its charts still being drawn (charts.start_views: in worker processes while
+    this one goes on): (the context, the function that waits for the charts and puts them in it)."""
     if not isinstance(aggregate, Aggregate) or aggregate.present is not None and "runs" not in aggregate.present:
         raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
     runs = aggregate.runs
     keys = {r.label: colour_key(r) for r in runs}
     by_key = C.colour_map(keys.values())
     colours = {label: by_key[k] for label, k in keys.items()}
-    findings = F.compute_findings(aggregate)
     warnings = FL.level_warnings(aggregate)
+    # a large report's Markdown shows the charts as SVG files (the HTML's drawing), not a second drawing
+    svg_files = png_dir is not None and is_large(aggregate)
+    chart_png, chart_svg = (None, True) if svg_files else (png_dir, svg)
+    scenarios = scenario_views(aggregate, colours, warnings, chart_png, chart_svg, svg_files)
+    quality = quality_view(aggregate, colours, chart_png, chart_svg, svg_files)
+    drawing = C.start_views([*scenarios, quality])  # every chart at once, while the rest is made
+    said = interpretation(aggregate)  # computed once, by collect, for an aggregate it made
+    findings = F.compute_findings(replace(aggregate, kv_cards=said["kv_cards"]))
     groups = []
     checks = recompute.check_document(aggregate)
     if checks:
@@ -121,24 +161,32 @@ def build_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
     failures = [{"label": r.label, "status": r.state, "scenario": str(r.scenario),
                  "reason": _tail(r.status_reason) or "no reason recorded"}
                 for r in runs if r.state in ("failed", "partial", "skipped")]
-    return {
-        "verdicts": [v.to_json() for v in verdicts(aggregate)],
+    ctx = {
+        "verdicts": said["verdicts"],
         "skipped": skipped_runs(runs),
-        "recommendations": [r["sentence"] for r in recommendations(aggregate)],
+        "recommendations": [r["sentence"] for r in said["recommendations"]],
         "title": title or aggregate.title or default_title(aggregate),
         "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "kvexp_version": aggregate.kvexp_version or (aggregate.environment or {}).get("kvexp_version"),
         "findings": groups,
         "setup": setup_view(aggregate),
-        "scenarios": scenario_views(aggregate, colours, warnings, png_dir, svg),
+        "scenarios": scenarios,
         "planner": planner_view(aggregate),
-        "quality": quality_view(aggregate, colours, png_dir, svg),
-        "cards": card_view(aggregate),
+        "quality": quality,
+        "cards": card_view(Aggregate(kv_cards=said["kv_cards"])),
         "warnings": [w.message for w in warnings],
         "failures": failures,
         "not_exposed": registry.NOT_EXPOSED,
         "not_recorded": registry.NOT_RECORDED,
+        "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
     }
+
+    def finish() -> None:
+        drawing()
+        if svg_files:
+            C.save_svgs([*scenarios, quality], png_dir)  # type: ignore[arg-type]
+
+    return ctx, finish
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,10 +194,11 @@ def build_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
 
 
 def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = None,
-                  formats: Iterable[str] = FORMATS) -> dict[str, Path]:
+                  formats: Iterable[str] = FORMATS, validated: bool = False) -> dict[str, Path]:
     """Write report.md (+ charts/*.png), report.html (inline SVG), report.pdf, comparison.json and
     comparison.csv into out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what
-    was written; a skipped PDF leaves a one-line message in the result's `problems`."""
+    was written; a skipped PDF leaves a one-line message in the result's `problems`. validated: the
+    aggregate is one collect just made (and checked against the schema), so it is not checked again."""
     formats = tuple(formats)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -158,12 +207,18 @@ def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = No
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = aggregate.to_json()
-    validate_document(doc, "aggregate")
+    if not validated:
+        validate_document(doc, "aggregate")
     want_svg = "html" in formats or "pdf" in formats
     png_dir = out_dir / "charts" if "md" in formats else None
-    ctx = build_context(aggregate, title, png_dir, want_svg)
-    env = environment()
+    ctx, charts_drawn = start_context(aggregate, title, png_dir, want_svg)
     files = ReportFiles()
+    try:  # what needs no chart is written while the charts are drawn
+        data = {"json": atomic_write(out_dir / FILES["json"], json_text(doc)),
+                "csv": write_csv(aggregate, out_dir / FILES["csv"])}
+    finally:
+        charts_drawn()
+    env = environment()
     if "md" in formats:
         files["md"] = atomic_write(out_dir / FILES["md"], env.get_template("report.md.j2").render(ctx))
         if png_dir is not None and png_dir.is_dir():
@@ -175,10 +230,10 @@ def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = No
         html = env.get_template("report.html.j2").render(ctx)
         if "html" in formats:
             files["html"] = atomic_write(out_dir / FILES["html"], html)
-    files["json"] = atomic_write(out_dir / FILES["json"],
-                                 json.dumps(_json_safe(doc), indent=2, ensure_ascii=False) + "\n")
-    files["csv"] = write_csv(aggregate, out_dir / FILES["csv"])
+    files.update(data)
     if "pdf" in formats and html is not None:
+        if is_large(aggregate):  # a summary: the full tables are in the CSV and the HTML
+            html = env.get_template("report.html.j2").render(digest(ctx, aggregate))
         try:
             files["pdf"] = pdf.write(html, out_dir / FILES["pdf"], out_dir)
         except pdf.PDFUnavailable as e:

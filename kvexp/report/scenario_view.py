@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D, flags as FL, runplan as RP
+from kvexp.analysis.recommend import ranked
 from kvexp.analysis.verdict import short_names
 from kvexp.metrics import registry
 from kvexp.metrics.levels import Level
@@ -18,6 +19,20 @@ from kvexp.report import charts as C
 from kvexp.results.runs import Aggregate, Run
 from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
                                  numeric, uniq)
+
+
+# A scenario of more runs than this charts its best ones only (recommend.ranked): a chart of a hundred lines
+# shows none of them, and each line costs drawing time; the tables keep every run.
+CHART_RUNS = 10
+
+
+def best_runs(runs: list[Run]) -> tuple[list[Run], list[Run]]:
+    """(the runs a scenario's charts and a large report's PDF show: all, or the CHART_RUNS best; every run,
+    best first where they are cut)."""
+    if len(runs) <= CHART_RUNS:
+        return runs, runs
+    order = ranked(runs)
+    return order[:CHART_RUNS], order
 
 
 def _slug(s: str) -> str:
@@ -260,8 +275,10 @@ def _chart_specs(scen: str, stem: str, runs: list[Run], xkind: str, colours: dic
 
 
 def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Flag], png_dir: Optional[Path],
-                   svg: bool) -> list[dict]:
-    """One section per scenario: its description, level and detail tables, warning codes and charts."""
+                   svg: bool, svg_legend: bool = False) -> list[dict]:
+    """One section per scenario: its description, level and detail tables, warning codes and charts (each
+    chart and legend still to draw: (function, arguments) for charts.start_views). svg_legend: the
+    legend too as SVG (for a large report's Markdown, charts.save_svgs)."""
     runs_all = agg.runs
     run_index = {id(r): i for i, r in enumerate(runs_all)}
     warn_codes: dict[tuple[int, int], list[str]] = {}
@@ -278,18 +295,26 @@ def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Fl
             stem += "-x"
         stems.add(stem)
         main, details, codes = _level_tables(runs, warn_codes, run_index)
-        kinds = uniq(lv.x[0] for r in runs for lv in r.merged_levels() if lv.x)
+        shown, order = best_runs(runs)
+        cut = len(shown) < len(runs)
+        # the best runs of a large scenario take the palette's first (most distinct) colours, best first
+        tint = {r.label: C.PALETTE[i] for i, r in enumerate(shown)} if cut else colours
+        kinds = uniq(lv.x[0] for r in shown for lv in r.merged_levels() if lv.x)
         charts, notes = [], []
+        if cut:
+            notes.append(f"The charts show the {len(shown)} best of this scenario's {len(runs)} runs (by capacity "
+                         "within the latency objective where one was set, else by peak throughput); the tables "
+                         "and comparison.csv hold every run.")
         for xkind in kinds:
-            specs, n = _chart_specs(scen, stem, runs, xkind, colours, agg, plans)
+            specs, n = _chart_specs(scen, stem, shown, xkind, tint, agg, plans)
             notes += n
-            charts += [C.render_chart(s, png_dir, svg) for s in specs]
-        names = short_names(runs)  # backend + KV dtype (+ model where it varies), not job ids
-        entries = [(names[r.label], colours[r.label], C.marker(r.backend))
-                   for r in runs if any(r.usable(lv) for lv in r.levels)]
+            charts += [(C.render_chart, (s, png_dir, svg)) for s in specs]  # drawn below, all at once
+        names = short_names(shown)  # backend + KV dtype (+ model where it varies), not job ids
+        entries = [(names[r.label], tint[r.label], C.marker(r.backend))
+                   for r in shown if any(r.usable(lv) for lv in r.levels)]
         # The legend: a PNG beside the Markdown; in HTML a list of coloured glyphs (cheaper than an SVG).
-        legend = C.render_legend(f"{stem}-legend", entries, png_dir, svg=False) \
-            if entries and charts and png_dir is not None else None
+        legend = (C.render_legend, (f"{stem}-legend", entries, png_dir, svg_legend)) \
+            if entries and charts and (png_dir is not None or svg_legend) else None
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
         # a trace's or a dataset's own lengths, not the scenario's, are what was sent
@@ -314,7 +339,8 @@ def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Fl
             "codes": [(c, FL.WARNING_CODES.get(c, c)) for c in codes],
             "kv_label_note": any(r.kv.source == "label" for r in runs), "charts": charts, "legend": legend,
             "legend_items": legend_items,
-            "notes": notes, "failed": failed,
+            "notes": notes, "failed": failed, "best": [r.label for r in shown], "run_count": len(runs),
+            "ranking": [r.label for r in order],
         })
     return out
 

@@ -14,16 +14,15 @@ from typing import Any, Iterable, Optional
 from jinja2 import Environment
 
 from kvexp import backends
-from kvexp.analysis.aggregate import collect, run_of
-from kvexp.analysis.recommend import capacity, peak_level, slo_outcome
+from kvexp.analysis.aggregate import collect, run_of, verdicts_of
 from kvexp.analysis.verdict import short_names, verdicts
 from kvexp.core.config import ConfigError, ExperimentConfig
 from kvexp.metrics import registry
 from kvexp.metrics.levels import Level
 from kvexp.metrics.stats import UNSTABLE_CV
-from kvexp.planning import prediction, whatif
+from kvexp.planning import memory, prediction, whatif
 from kvexp.report import pdf
-from kvexp.report.tables import Table, header, numeric, text_table
+from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
 from kvexp.results.documents import JobResult
 from kvexp.results.runs import Aggregate
@@ -45,14 +44,6 @@ def columns_for(levels: list[Level]) -> list[str]:
     extra = [k for k in OPTIONAL_COLUMNS if any((lv.repeat or 0) > 0 if k == "repeat"
                                                 else lv.value(k) is not None for lv in levels)]
     return [COLUMNS[0], *(k for k in extra if k == "repeat"), *COLUMNS[1:], *(k for k in extra if k != "repeat")]
-
-
-def level_name(level: Level) -> str:
-    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
-    if level.concurrency is None and level.rate is not None:
-        achieved = level.achieved_rate
-        return f"{level.rate:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
-    return registry.format_value("concurrency", level.concurrency)
 
 
 def cell(level: Level, key: str, *, failed: bool, exposed: bool, foreign: bool = False) -> str:
@@ -125,18 +116,6 @@ def write_job_summary(result: JobResult, out_dir: Path) -> Path:
     path = out_dir / "summary.md"
     path.write_text(render_job_summary(result))
     return path
-
-
-def job_results(sweep_dir: Path) -> list[JobResult]:
-    out = []
-    for path in sorted(sweep_dir.rglob(RESULT_FILE)):
-        try:
-            kind, doc = load_document(path)
-        except ResultError:
-            continue
-        if kind == "result":
-            out.append(JobResult.from_json(doc))
-    return out
 
 
 def _when(stamp: Optional[str]) -> Optional[datetime]:
@@ -221,21 +200,30 @@ def job_statuses(sweep_dir: Path) -> dict[str, str]:
     return out
 
 
+class SweepOutputs(list):
+    """The files write_sweep_outputs wrote, with the aggregate and the timing it made them from."""
+
+    aggregate: Aggregate
+    timing: dict[str, Any]
+
+
 def write_sweep_outputs(sweep_dir: Path, wall_s: Optional[float] = None,
-                        since: Optional[datetime] = None) -> list[Path]:
+                        since: Optional[datetime] = None) -> SweepOutputs:
     """The sweep's aggregate JSON, its Markdown summary and the full report (wall_s, since: sweep_timing)."""
-    agg = collect([sweep_dir])
-    written = []
+    results: list[JobResult] = []
+    agg = collect([sweep_dir], results)  # each result read once: its timing is summed from what collect read
+    written = SweepOutputs()
     path = sweep_dir / "sweep.json"
     write_json(path, agg.to_json(), "aggregate")
     written.append(path)
     path = sweep_dir / "summary.md"
-    timing = sweep_timing(job_results(sweep_dir), wall_s, since)
+    timing = sweep_timing(results, wall_s, since)
+    written.aggregate, written.timing = agg, timing
     path.write_text(_env().get_template("sweep.md.j2").render(a=agg, runs=run_tables(agg), timing=timing))
     written.append(path)
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
-    written += list(render_report(agg, sweep_dir / "report").values())
+    written += list(render_report(agg, sweep_dir / "report", validated=True).values())
     return written
 
 
@@ -249,7 +237,7 @@ def write_job_report(job_dir: Path) -> tuple[Aggregate, list[Path]]:
     from kvexp.report.render import render_report  # lazy: the report loads matplotlib; a job's summary does not
 
     agg = collect([job_dir / RESULT_FILE])
-    return agg, list(render_report(agg, job_dir / "report").values())
+    return agg, list(render_report(agg, job_dir / "report", validated=True).values())
 
 
 def report_is_current(folder: Path, multirun: bool) -> bool:
@@ -266,27 +254,11 @@ def report_is_current(folder: Path, multirun: bool) -> bool:
 def end_of_run_text(agg: Aggregate) -> str:
     """What the terminal shows when a run or sweep ends: each scenario's verdict, then one aligned row per
     job (its peak throughput and the latencies there, KV bytes per token), unknowns as "—"."""
-    lines = [f"verdict: {v.sentence}" for v in verdicts(agg)] or ["verdict: no job measured comparable levels"]
-    runs = agg.runs
+    lines = [f"verdict: {v.sentence}" for v in verdicts_of(agg)] or ["verdict: no job measured comparable levels"]
     names: dict[str, str] = {}
     for _, scenario_runs in agg.scenarios():  # named within their scenario, where the verdicts name them
         names.update(short_names(scenario_runs))
-    rows = []
-    slos = any(r.objectives for r in runs)
-    for r in runs:
-        peak = peak_level(r)
-        bpt = r.bytes_per_token
-        slo = r.objectives
-        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if r.state != "skipped" else "—"]
-                   if slos else [])
-        figures = ([cell(peak, k, failed=False, exposed=True) for k in ("throughput_tok_s",)] + [level_name(peak)]
-                   + [cell(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
-                   if peak else [registry.UNKNOWN] * 4)
-        rows.append([r.label, names[r.label], r.state, *figures,
-                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
-    head = ["job", "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
-    head += ["SLO"] if slos else []
-    return "\n".join(lines + text_table(Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)))
+    return "\n".join(lines + text_table(peak_table(agg.runs, names)))
 
 
 # ---------------------------------------------------------------- the planner's table (`kvexp plan`)
@@ -336,7 +308,9 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         c = p["calibrated"]
         c_conc = None if c is None else c[conc_key]
         peak = p["predicted_peak_memory_gib"]
-        peak_s = "-" if peak is None else f"{peak:.2f}" + (" (does not fit)" if p["fits"] is False else "")
+        rss = p.get("memory_measure") == "rss"  # on the CPU: the RSS of the server's processes
+        peak_s = "-" if peak is None else f"{peak:.2f}" + (" RSS" if rss else "") + (
+            " (does not fit)" if p["fits"] is False else "")
         lines.append(
             head + f"| {kv_per_token_words(p)} | {_fmt_int(p['capacity_tokens'])} | {_fmt_mib(p['kv_cache_bytes'])} "
             f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
@@ -346,9 +320,14 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
         inp = p["inputs"]
         weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
-        note = (f"- {cfg.model.name}/{cfg.backend.name}: GPU {cfg.gpu.name or '?'} "
-                f"{'?' if inp['gpu_gib'] is None else inp['gpu_gib']} GiB, weights {weights} GiB, "
-                f"overhead {inp['overhead_gib']} GiB; sources: {srcs}")
+        check = memory.memory_check({"planner": p}) if rss else None
+        if rss:
+            parts = "—" if check is None else memory.parts_words(check)
+            where = f"CPU (peak GiB: the RSS of the server's processes, {parts})"
+        else:
+            gpu_gib = "?" if inp["gpu_gib"] is None else inp["gpu_gib"]
+            where = f"GPU {cfg.gpu.name or '?'} {gpu_gib} GiB, overhead {inp['overhead_gib']} GiB"
+        note = f"- {cfg.model.name}/{cfg.backend.name}: {where}, weights {weights} GiB; sources: {srcs}"
         if note not in notes:
             notes.append(note)
     legend = ("max conc.: vLLM requests before preemption; llama.cpp/Ollama requests served at once "

@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from markupsafe import Markup, escape
+
 from kvexp.analysis import flags as FL
 from kvexp.analysis.card import kv_cards
+from kvexp.analysis.recommend import capacity, peak_level, slo_outcome
 from kvexp.core.paths import atomic_write
 from kvexp.metrics import registry
 from kvexp.metrics.levels import Level
@@ -74,6 +77,20 @@ def md_table(t: Table, escape: bool = True) -> str:
     return "\n".join([head, rule, *body])
 
 
+def html_table(t: Table) -> Markup:
+    """The table as HTML, every cell escaped; a missing value's cell has the class "na". A template's
+    loop wrote the same markup at a thousandth of the speed (three loop variables per cell)."""
+    na = {registry.UNKNOWN, registry.NOT_EXPOSED, registry.NOT_RECORDED}
+    cls = ["num" if n else "" for n in t.numeric]
+    head = "".join(f'<th class="num">{escape(h)}</th>' if n else f"<th>{escape(h)}</th>"
+                   for h, n in zip(t.headers, t.numeric))
+    rows = "".join("<tr>" + "".join(f'<td class="{k}{" na" if c in na else ""}">{escape(c)}</td>'
+                                    for c, k in zip(row, cls)) + "</tr>\n" for row in t.rows)
+    cols = "".join(f'<col style="width: {w}%">' for w in t.widths)
+    return Markup(f'<table class="{escape(t.kind)}">\n<colgroup>{cols}</colgroup>\n<thead><tr>{head}</tr></thead>\n'
+                  f"<tbody>\n{rows}</tbody>\n</table>")
+
+
 def uniq(xs: Iterable[Any]) -> list[Any]:
     """The values in order of first appearance, without None, "" and repeats."""
     out: list[Any] = []
@@ -126,8 +143,40 @@ def level_cell(run: Run, level: Level, key: str) -> str:
     """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
     repeat = key in _REPEAT_KEYS
     failed = level.failed or run.state in ("failed", "skipped")
-    return registry.level_text(level, key, failed=failed, exposed=run.exposes(key), foreign=bool(run.tool),
+    # whether another level has the figure matters only where this one has none (missing_text)
+    exposed = True if not repeat and level.value(key) is not None else run.exposes(key)
+    return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=bool(run.tool),
                                value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
+
+
+def level_name(level: Level) -> str:
+    """A level as the summaries name it: its concurrency, or its rate as asked (and as achieved)."""
+    if level.concurrency is None and level.rate is not None:
+        achieved = level.achieved_rate
+        return f"{level.rate:g} req/s" + (f" (achieved {achieved:g})" if achieved is not None else "")
+    return registry.format_value("concurrency", level.concurrency)
+
+
+def peak_table(runs: list[Run], names: dict[str, str], first: str = "job") -> Table:
+    """One row per run: its short name (names: label -> name), status, peak throughput and the level and
+    latencies there, KV bytes per token, and, where some run set a latency objective, its outcome (the
+    terminal's table at the end of a run, and a large report's PDF per scenario)."""
+    rows = []
+    slos = any(r.objectives for r in runs)
+    for r in runs:
+        peak = peak_level(r)
+        bpt = r.bytes_per_token
+        slo = r.objectives
+        outcome = ([slo_outcome(capacity(r, slo) if slo else None) if r.state != "skipped" else "—"]
+                   if slos else [])
+        figures = ([registry.level_text(peak, "throughput_tok_s", failed=False, exposed=True), level_name(peak)]
+                   + [registry.level_text(peak, k, failed=False, exposed=True) for k in ("ttft_p95_ms", "tpot_p50_ms")]
+                   if peak else [registry.UNKNOWN] * 4)
+        rows.append([r.label, names[r.label], r.state, *figures,
+                     registry.UNKNOWN if bpt is None else f"{bpt:,.0f}", *outcome])
+    head = [first, "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
+    head += ["SLO"] if slos else []
+    return Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)
 
 
 def tool_name(run: Run) -> str:

@@ -1,6 +1,7 @@
 """The one Jinja environment of kvexp's outputs (report.md/html, the job and sweep summaries): templates
 from paths.data_dir("templates"), HTML autoescaped (labels and model names are user input), Markdown
-written through the shared filters: `md` (one escaped line; None is "—"), `md_code`, `md_table`."""
+written through the shared filters: `md` (one escaped line; None is "—"), `md_code`, `md_table`;
+HTML tables through `html_table`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from kvexp.core.paths import data_dir
 from kvexp.metrics import registry
 from kvexp.report.markdown import md_code, md_escape
-from kvexp.report.tables import md_table
+from kvexp.report.tables import html_table, md_table
 
 
 class ReportError(RuntimeError):
@@ -38,6 +39,6 @@ def environment(filters: Optional[dict[str, Callable[..., Any]]] = None,
     env = Environment(loader=FileSystemLoader(str(templates_dir())), undefined=StrictUndefined,
                       autoescape=lambda name: bool(name) and name.endswith((".html.j2", ".html")),
                       trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters.update(md=md, md_code=md_code, md_table=md_table, **(filters or {}))
+    env.filters.update(md=md, md_code=md_code, md_table=md_table, html_table=html_table, **(filters or {}))
     env.globals.update(globals or {})
     return env

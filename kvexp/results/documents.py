@@ -133,6 +133,9 @@ class BackendInfo(Doc):
     reused_server: Optional[bool] = None
     ready_s: Optional[float] = None
     server_log: Optional[str] = None
+    server_log_bytes: Optional[dict[str, Any]] = None  # written, kept on disk, dropped under log.max_mb, the cap
+    server_lines_log: Optional[str] = None
+    server_lines_log_bytes: Optional[dict[str, Any]] = None
     log_tail: Optional[str] = None
     loaded_models: Optional[list[dict[str, Any]]] = None
     present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)

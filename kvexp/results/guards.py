@@ -90,11 +90,21 @@ def _nonblocking(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK)
 
 
+READ_CHUNK = 1 << 20
+
+
 def read_regular(path: Path, limit: int) -> bytes:
     """A regular file's bytes, at most `limit` of them (open_regular says what is refused); read with a
     bounded read, so that a file growing while it is read cannot take more."""
+    chunks, total = [], 0
     with open_regular(path, limit) as f:
-        data = f.read(limit + 1)
+        while total <= limit:  # in pieces: a read of limit + 1 bytes would allocate them all at once
+            chunk = f.read(min(READ_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise FileRefused(f"{path}: larger than {size_text(limit)}; not a kvexp file")
     return data
@@ -221,8 +231,28 @@ def name_errors(doc: Any, names: tuple[tuple, ...], prefix: tuple = ()) -> list[
     return out
 
 
+def _any_long_text(doc: Any) -> bool:
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
+                return True
+            continue
+        for x in v:
+            if isinstance(x, (dict, list)):
+                stack.append(x)
+            elif isinstance(x, str) and len(x) > MAX_TEXT_CHARS:
+                return True
+    return False
+
+
 def long_texts(doc: Any) -> list[tuple[tuple, str]]:
     """(path, line) of each string longer than MAX_TEXT_CHARS, in document order (an iterative walk)."""
+    if not _any_long_text(doc):  # the common case, without a path for every value
+        return []
     out = []
     stack: list[tuple[tuple, Any]] = [((), doc)]
     while stack:

@@ -85,16 +85,18 @@ class Placement(Doc):
     server_cpus: Optional[list[int]] = None
     client_cpus: Optional[list[int]] = None
     server_cpus_seen: Optional[list[int]] = None
+    server_processes: Optional[list[dict[str, Any]]] = None  # each process of the server: pid, name, threads, CPUs
     reason: Optional[str] = None
     present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
 
     @property
-    def key(self) -> Optional[tuple[str, int]]:
-        """(mode, CPUs the server had); None when the mode is not recorded."""
+    def key(self) -> Optional[tuple[str, tuple[int, ...]]]:
+        """(mode, the CPUs the server had: those its process tree was read back on, else those it was pinned
+        to); None when the mode is not recorded."""
         if not self.mode:
             return None
-        cpus = self.server_cpus or self.server_cpus_seen or []
-        return str(self.mode), len(cpus) if isinstance(cpus, list) else 0
+        cpus = self.server_cpus_seen or self.server_cpus or []
+        return str(self.mode), tuple(sorted(int(c) for c in cpus)) if isinstance(cpus, list) else ()
 
 
 @dataclass(slots=True)

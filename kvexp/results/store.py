@@ -39,11 +39,12 @@ def utc_now() -> str:
 
 def spec_of(cfg: Any) -> dict[str, Any]:
     """A job's resolved config as results record it: what it measures, without where it writes, whether
-    it resumed, or the name of the variable holding an API key (none of these differ between runs of
-    one spec)."""
+    it resumed, how much of a server's log it keeps (backend.server_log_bytes records that) or the name of
+    the variable holding an API key (none of these differ between runs of one spec)."""
     plain = to_plain(cfg)
     plain.pop("output_dir", None)
     plain.pop("resume", None)
+    plain.pop("log", None)
     plain["backend"].pop("api_key_env", None)
     return plain
 

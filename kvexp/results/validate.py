@@ -24,6 +24,7 @@ from kvexp.core.paths import data_dir
 from kvexp.metrics.levels import level_x
 from kvexp.results import foreign, guards
 from kvexp.results.foreign_fields import field_errors
+from kvexp.results.schemacheck import compile_schema
 
 KINDS = ("result", "aggregate", "request")
 SCHEMA_VERSION = 2  # the newest result format this kvexp reads and writes (2: typed warnings, server spec)
@@ -44,10 +45,21 @@ class ValidationFailed(ValueError):
 
 
 @lru_cache(maxsize=None)
+def schema_of(kind: str) -> dict[str, Any]:
+    return json.loads((data_dir("schema") / f"{kind}.schema.json").read_text())
+
+
+@lru_cache(maxsize=None)
 def validator(kind: str) -> Draft202012Validator:
-    schema = json.loads((data_dir("schema") / f"{kind}.schema.json").read_text())
+    schema = schema_of(kind)
     Draft202012Validator.check_schema(schema)
     return Draft202012Validator(schema)
+
+
+@lru_cache(maxsize=None)
+def accepts(kind: str) -> Any:
+    """The schema's fast yes/no check (kvexp.results.schemacheck): True only where jsonschema finds nothing."""
+    return compile_schema(schema_of(kind))
 
 
 def json_path(error: Any) -> str:
@@ -65,6 +77,8 @@ def structure_errors(doc: Any) -> list[str]:
     """Nesting deeper than MAX_DEPTH (reported once, at its first path) and every number that is not
     finite (NaN, Infinity, or a literal like 1e400 that overflows to infinity). Iterative: a deep
     document cannot exhaust the stack."""
+    if _plain(doc):
+        return []
     out: list[str] = []
     stack: list[tuple[tuple, Any]] = [((), doc)]
     while stack:
@@ -77,6 +91,28 @@ def structure_errors(doc: Any) -> list[str]:
         elif isinstance(v, float) and not math.isfinite(v):
             out.append(f"{_path(parts)}: {v} is not a finite number (NaN, Infinity or out of range)")
     return out
+
+
+def _plain(doc: Any) -> bool:
+    """Whether doc nests at most MAX_DEPTH deep and holds only finite numbers: the common case, checked
+    without building the path of every value (structure_errors builds them only when this says no)."""
+    stack: list[tuple[int, Any]] = [(0, doc)]
+    while stack:
+        depth, v = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            if isinstance(v, float) and not math.isfinite(v):
+                return False
+            continue
+        if depth >= MAX_DEPTH:
+            return False
+        for x in v:
+            if isinstance(x, (dict, list)):
+                stack.append((depth + 1, x))
+            elif isinstance(x, float) and not math.isfinite(x):
+                return False
+    return True
 
 
 def _levels_of(doc: Any, kind: str) -> list[tuple[tuple, dict]]:
@@ -142,20 +178,22 @@ def semantic_errors(doc: Any, kind: str) -> list[str]:
     return sorted(out)
 
 
-def errors_of(doc: Any, kind: str) -> list[str]:
+def errors_of(doc: Any, kind: str, structure: list[str] | None = None) -> list[str]:
     """Every violation as 'JSON-path: message': structure (depth, finite numbers) first, then the
-    schema's, in document order, then the rules across fields."""
-    structure = structure_errors(doc)
+    schema's, in document order, then the rules across fields. structure: structure_errors(doc), when
+    the caller has it already."""
+    structure = structure_errors(doc) if structure is None else structure
     if any("nested deeper" in m for m in structure):
         return structure  # the schema validator recurses: never hand it a document this deep
-    errs = sorted(validator(kind).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    errs = [] if accepts(kind)(doc) else sorted(validator(kind).iter_errors(doc),  # the fast check refused: ask
+                                                key=lambda e: list(map(str, e.absolute_path)))  # jsonschema
     return structure + [f"{json_path(e)}: {e.message}" for e in errs] + semantic_errors(doc, kind)
 
 
-def read_errors(doc: Any, kind: str) -> list[str]:
+def read_errors(doc: Any, kind: str, structure: list[str] | None = None) -> list[str]:
     """errors_of, and the sanity rules a file read must also pass (kvexp.results.guards.sanity_errors:
     percentiles in order, each level once, physical bounds, text lengths)."""
-    errs = errors_of(doc, kind)
+    errs = errors_of(doc, kind, structure)
     if any("nested deeper" in m for m in errs):
         return errs
     return errs + guards.sanity_errors(doc, kind)
@@ -256,7 +294,8 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
             return Inspected("", None, [f"{path}: not JSON{not_json.format(e)}"])
     if _request_rows([doc]):  # a log of one request
         return Inspected("request", None, [_request_log(path)])
-    deep = [m for m in structure_errors(doc) if "nested deeper" in m]
+    structure = structure_errors(doc)  # (once: read_errors below is given it)
+    deep = [m for m in structure if "nested deeper" in m]
     if deep:  # refused whatever its shape claims to be
         return Inspected("", None, [f"{path}: {deep[0]}"])
     if foreign.sniff(doc) is not None:
@@ -268,7 +307,7 @@ def inspect_file(path: Path, not_json: str = ": {}", whole_mapping: bool = True,
     if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         return Inspected(kind, doc, [f"{path}: $.schema_version: {version} is newer than this kvexp understands "
                                      f"({SCHEMA_VERSION}); upgrade kvexp"])
-    return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind)])
+    return Inspected(kind, doc, [f"{path}: {m}" for m in read_errors(doc, kind, structure)])
 
 
 def _request_rows(docs: Any) -> bool:

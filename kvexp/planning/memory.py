@@ -1,0 +1,89 @@
+"""The planner's memory prediction for a run beside what was measured: on a GPU the peak GPU memory,
+on the CPU the peak resident set (RSS) of the server's processes (kvexp/capacity/cpumemory.py), each
+level's prediction against that level's peak. Pure: a run (a job's result or an aggregate's run) in, a
+MemoryCheck out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LevelMemory:
+    x: Optional[float]  # the level's concurrency
+    predicted_gib: Optional[float]
+    measured_gib: Optional[float]
+
+    @property
+    def error_pct(self) -> Optional[float]:
+        """(measured - predicted) / predicted, in percent (None: either unknown)."""
+        if self.predicted_gib is None or self.measured_gib is None or not self.predicted_gib:
+            return None
+        return (self.measured_gib - self.predicted_gib) / self.predicted_gib * 100
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """measure: "rss" (the server's processes on the CPU) or "vram" (GPU memory); peak: the predicted
+    and measured peaks over the levels; parts: the prediction's parts in bytes (CPU: runtime, weights,
+    buffers, KV cache, prompt cache)."""
+
+    measure: str
+    predicted_gib: Optional[float]
+    measured_gib: Optional[float]
+    levels: tuple[LevelMemory, ...]
+    parts: tuple[tuple[str, Optional[float]], ...] = ()
+    saved_prompts: Optional[int] = None
+
+    @property
+    def error_pct(self) -> Optional[float]:
+        return LevelMemory(None, self.predicted_gib, self.measured_gib).error_pct
+
+    @property
+    def words(self) -> str:
+        return "RSS of the server's processes (CPU)" if self.measure == "rss" else "GPU memory"
+
+
+def _num(d: Mapping[str, Any], key: str) -> Optional[float]:
+    v = d.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def memory_check(run: Mapping[str, Any]) -> Optional[MemoryCheck]:
+    """The prediction in a run's planner block against its levels' measured peaks (None: no prediction)."""
+    plan = run.get("planner")
+    if not isinstance(plan, Mapping) or _num(plan, "predicted_peak_memory_gib") is None:
+        return None
+    rss = plan.get("memory_measure") == "rss"
+    rows = {_num(r, "concurrency"): r for r in plan.get("levels") or [] if isinstance(r, Mapping)}
+    levels = []
+    for lv in run.get("levels") or []:
+        if not isinstance(lv, Mapping) or lv.get("status") == "failed":
+            continue
+        x = _num(lv, "concurrency")
+        measured = _num(lv, "peak_rss_gib") if rss else (_num(lv, "peak_server_gpu_gib") or _num(lv, "peak_vram_gib"))
+        row = rows.get(x) or {}
+        predicted = _num(row, "predicted_rss_gib") if rss else _num(plan, "predicted_peak_memory_gib")
+        levels.append(LevelMemory(x, predicted, measured))
+    measured = [lv.measured_gib for lv in levels if lv.measured_gib is not None]
+    cpu = plan.get("cpu_memory") if rss and isinstance(plan.get("cpu_memory"), Mapping) else {}
+    parts: tuple[tuple[str, Optional[float]], ...] = ()
+    if cpu:
+        parts = tuple((name, _num(cpu, key)) for name, key in (
+            ("runtime", "runtime_bytes"), ("weights", "weights_bytes"), ("buffers", "buffers_bytes"),
+            ("KV cache", "kv_cache_bytes"), ("prompt cache", "prompt_cache_bytes")))
+    return MemoryCheck("rss" if rss else "vram", _num(plan, "predicted_peak_memory_gib"),
+                       max(measured) if measured else None, tuple(levels), parts,
+                       cpu.get("saved_prompts") if cpu else None)
+
+
+def parts_words(check: MemoryCheck) -> str:
+    """"runtime 39 + weights 94 + buffers 15 + KV cache 22 + prompt cache 160 MiB (38 prompts)"."""
+    shown = [f"{name} {value / MIB:,.0f}" for name, value in check.parts if value is not None]
+    if not shown:
+        return "—"
+    tail = f" ({check.saved_prompts} prompts)" if check.saved_prompts else ""
+    return " + ".join(shown) + " MiB" + tail

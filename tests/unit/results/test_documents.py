@@ -1,0 +1,156 @@
+"""Typed documents at the file boundary (kvexp/results/documents.py, runs.py, metrics/levels.py): what is read
+is written back as it was, one Run type for every source, what a run is lives on the run, and nothing above
+results/ opens a run's JSON."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, ROOT
+
+from kvexp.analysis.aggregate import collect
+from kvexp.metrics.levels import Level
+from kvexp.results.documents import JobResult, KVCache
+from kvexp.results.runs import SLO, Aggregate, Run
+from kvexp.results.validate import read_errors
+
+REFERENCE = FIXTURES / "planner" / "rtx5070ti-qwen2.5-7b.json"
+REAL = FIXTURES / "decision"
+V1 = FIXTURES / "foreign" / "kvexp" / "result.json"  # a real job of schema_version 1 (text warnings)
+PKG = ROOT / "kvexp"
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_the_reference_document_is_written_back_as_it_was_read():
+    ref = _json(REFERENCE)
+    agg = Aggregate.from_json(copy.deepcopy(ref))
+    assert agg.to_json() == ref
+    assert all(isinstance(r, Run) and all(isinstance(lv, Level) for lv in r.levels) for r in agg.runs)
+    # the reference's runs record no status and no warnings: complete, and their warnings are not recorded
+    assert {r.state for r in agg.runs} == {"complete"} and agg.runs[0].status is None
+    assert not any(lv.warnings_recorded for r in agg.runs for lv in r.levels)
+
+
+@pytest.mark.parametrize("name", ["fp16", "q8_0", "cpu-fp16", "cpu-q8_0-q4_0"])
+def test_a_job_result_is_written_back_as_it_was_read(name):
+    doc = _json(REAL / name / "result.json")
+    job = JobResult.from_json(copy.deepcopy(doc))
+    assert job.to_json() == doc
+    assert job.backend.name == doc["backend"]["name"] and job.kv_cache.dtype == doc["kv_cache"]["dtype"]
+    assert [lv.x for lv in job.levels] == [("concurrency", float(lv["concurrency"])) for lv in doc["levels"]]
+
+
+def test_a_job_is_one_run_of_the_aggregate_shape_and_validates():
+    job = JobResult.from_json(_json(REAL / "q8_0" / "result.json"))
+    run = Run.of_job(job, "x/result.json")
+    out = run.to_json()
+    assert set(out) >= {"label", "backend", "model", "scenario", "prompt_tokens", "max_tokens", "started_at", "gpu",
+                        "kv_cache", "levels", "status", "backend_version", "launch_command", "variable_length",
+                        "kv_requested", "weights", "placement", "reused_server", "planner", "source"}
+    assert out["backend"] == "llamacpp" and out["started_at"].endswith(" UTC") and "T" not in out["started_at"][:16]
+    assert set(out["kv_cache"]) >= set(KVCache.REQUIRED)
+    assert set(out["weights"]) == {"weights_format", "bits_per_weight", "params_b", "origin"}
+    assert read_errors({"gpu": None, "gpu_gib": None, "runs": [out]}, "aggregate") == []
+    # what the run is, read off the run
+    assert (run.kv.name, run.kv.source, run.kv.note) == ("q8_0", "requested", "rotated")
+    assert run.kind == "llama.cpp, q8_0 KV" and run.weights_text == "GGUF Q4_1, 5.74 bits/weight"
+    assert run.bytes_per_token == 12240 and run.exposes("throughput_tok_s") and run.kv_confirmed
+    assert run.objectives is None and run.state == "complete"
+
+
+def test_a_schema_version_1_result_still_reads_its_text_warnings():
+    job = JobResult.from_json(_json(V1))
+    lv = job.levels[0]
+    assert lv.warnings_recorded and [w.code for w in lv.warnings] == ["warn"] * len(lv.warnings)
+    assert lv.warnings[0].text == "only 16 requests: percentiles are rough"
+    agg = collect([V1])  # the aggregate of it validates, its warnings written back as the file has them
+    assert agg.runs[0].to_json()["levels"] == _json(V1)["levels"]
+
+
+def test_other_tools_runs_are_the_same_run_type_and_say_what_they_do_not_hold():
+    agg = collect([FIXTURES / "foreign" / "vllm"])
+    (run,) = agg.runs
+    assert isinstance(run, Run) and run.foreign and run.tool == "vLLM bench serve"
+    assert run.kv.name is None and run.kind == "unknown" and run.weights_text == "—"
+    assert not run.exposes("peak_kv_cache_usage") and "peak_kv_cache_usage" in run.not_recorded
+    out = run.to_json()
+    assert out["kv_cache"] == {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None}
+    assert "itl_p50_ms" in out["levels"][0] and "peak_rss_gib" not in out["levels"][0]  # only what the file held
+
+
+def test_what_a_run_calls_its_kv_dtype():
+    assert Run(kv_requested="fp8").kv.name == "fp8"
+    assert Run(kv_cache=KVCache(dtype_k="q8_0", dtype_v="q4_0")).kv.name == "q8_0/q4_0"
+    label = Run(label="vllm-fp8kv-chat").kv
+    assert (label.name, label.source, label.display) == ("fp8", "label", "fp8†")
+    assert Run(label="plain").kv.display == "—"
+    quantised = Run(kv_requested="q4_0", kv_cache=KVCache(rotation_k=False, rotation_v=False))
+    assert quantised.kv.display == "q4_0 (not rotated)"
+    assert Run(kv_requested="fp8", numerics={"kv_scales": "computed at load"}).kv.note == "scales computed"
+
+
+def test_a_runs_objectives_are_its_searchs_else_its_own():
+    own = {"slo_ttft_ms": 100.0, "slo_tpot_ms": None, "percentile": "p99"}
+    run = Run.from_json({"label": "a", "slo": own})
+    assert run.objectives == SLO(100.0, None, "p99") and run.objectives.to_json() == own
+    searched = Run.from_json({"label": "a", "slo": own, "search": {"objectives": {"slo_tpot_ms": 5.0}}})
+    assert searched.objectives == SLO(None, 5.0, "p95")
+    assert Run.from_json({"label": "a", "slo": {"slo_ttft_ms": None, "slo_tpot_ms": None}}).objectives is None
+
+
+def test_repeats_merge_into_one_level_by_their_kinds_of_figure():
+    def lv(rep, tput, peak, requests=10, status="ok"):
+        return {"concurrency": 4, "repeat": rep, "status": status, "requests": requests, "errors": 1,
+                "throughput_tok_s": tput, "peak_vram_gib": peak, "ttft_p50_ms": 10.0 * (rep + 1)}
+
+    run = Run.from_json({"label": "a", "levels": [lv(0, 100.0, 2.0), lv(1, 200.0, 3.0),
+                                                   lv(2, 900.0, 9.0, status="failed"),
+                                                   {"concurrency": 1, "requests": 5, "errors": 0}]})
+    one, four = run.merged_levels()
+    assert one.x == ("concurrency", 1.0) and one.repeat_throughputs is None
+    assert (four.requests, four.errors, four.throughput_tok_s, four.peak_vram_gib, four.ttft_p50_ms) == \
+        (20, 2, 150.0, 3.0, 15.0)  # sums of counts, means, maxima of peaks; the failed repeat left out
+    assert four.repeat_throughputs == (100.0, 200.0) and run.level_at(("concurrency", 4.0)) == four
+    assert run.levels[0].to_json() == lv(0, 100.0, 2.0)  # the levels as recorded are untouched
+
+
+def test_a_level_reads_its_figures_by_registry_key():
+    lv = Level.from_json({"concurrency": None, "rate": 2.5, "server": {"tpot_p50_ms": 3.0}, "errors": 0})
+    assert lv.x == ("rate", 2.5) and lv.value("server.tpot_p50_ms") == 3.0 and lv.number("server.queue_mean_ms") is None
+    assert lv.value("cv") is None and lv.value("no_such_key") is None  # not a level field: nothing to read
+    assert lv.kv_usage_samples is None and lv.client_limited is None  # not recorded: unknown, never 0
+    assert lv.keys() == ["concurrency", "rate", "errors", "server"]
+
+
+# Keys only a run of an aggregate (or a job result) has: reading one of these off a mapping above
+# results/ means a run travels as JSON again, past its type.
+RUN_KEYS = ("kv_requested", "kv_cache", "runs", "tool_notes", "backend_version", "launch_command",
+            "variable_length", "reused_server")
+TYPED = ("analysis", "planning", "report", "app")
+
+
+def _json_reads(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            key = node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            key = node.args[0].value
+        if key in RUN_KEYS:
+            out.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads {key!r}")
+    return out
+
+
+def test_runs_are_read_by_attribute_above_results():
+    bad = [m for pkg in TYPED for path in sorted((PKG / pkg).rglob("*.py")) for m in _json_reads(path)]
+    assert not bad, "a run read as JSON above results/ (read it by attribute):\n" + "\n".join(bad)
