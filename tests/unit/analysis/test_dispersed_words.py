@@ -5,11 +5,13 @@ cannot be told apart, with what to run (scenario.repeats=3, more requests per le
 import json
 from pathlib import Path
 
+from conftest import FIXTURES
+
 from kvexp.analysis import noise
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.findings import compute_findings
 
-REAL = Path(__file__).parent / "fixtures" / "decision"
+REAL = FIXTURES / "decision"
 
 
 def _pair(tmp: Path, spread: float) -> dict:

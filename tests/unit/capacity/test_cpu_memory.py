@@ -5,10 +5,9 @@ each level's prediction against the RSS measured in the same run (test_cpu_memor
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import FIXTURES, TINY
 
 from kvexp.app.compose import compose
 from kvexp.backends import create
@@ -20,7 +19,7 @@ from kvexp.planning import prediction
 from kvexp.planning.memory import memory_check, parts_words
 
 MIB = 1 << 20
-FIX = Path(__file__).parent / "fixtures" / "llamacpp"
+FIX = FIXTURES / "llamacpp"
 
 
 def test_every_request_is_saved_but_those_still_in_a_slot():

@@ -12,9 +12,9 @@ import time
 
 import psutil
 import pytest
-from conftest import hardware_skip
-from test_interrupts import Kvexp
-from test_sigkill import BACKENDS, CHILD, _args
+from conftest import FIXTURES, hardware_skip
+from unit.app.test_interrupts import Kvexp
+from integration.test_sigkill import BACKENDS, CHILD, _args
 
 from kvexp.analysis import comparable
 from kvexp.results.store import load_document
@@ -100,11 +100,10 @@ def test_runs_whose_servers_ran_on_other_cpus_are_not_compared(tmp_path):
     read back on more CPUs than it was pinned to (a server that set its threads' CPUs itself): the CPU
     budget differed, so they are not compared, and the reason names both placements."""
     import json
-    from pathlib import Path
 
     from kvexp.analysis.aggregate import collect
 
-    real = Path(__file__).parent / "fixtures" / "decision"
+    real = FIXTURES / "decision"
     docs = {kv: json.loads((real / kv / "result.json").read_text()) for kv in ("fp16", "q8_0")}
     for d in docs.values():
         for lv in d["levels"]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from conftest import missing
-from test_gemma3_real import gemma3  # noqa: F401 (a fixture)
-from test_realmodel import smollm2  # noqa: F401 (a fixture)
+from integration.llamacpp.test_gemma3_real import gemma3  # noqa: F401 (a fixture)
+from integration.test_realmodel import smollm2  # noqa: F401 (a fixture)
 
 from kvexp.analysis.aggregate import collect
 from kvexp.app.compose import compose
