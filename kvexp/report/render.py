@@ -129,9 +129,10 @@ def is_large(aggregate: dict) -> bool:
 
 
 def start_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,
-                  svg: bool = True) -> tuple[dict, Callable[[], None]]:
+                  svg: bool = True) -> tuple[dict, Callable[..., None]]:
     """build_context with its charts still being drawn (charts.start_views: in worker processes while
-    this one goes on): (the context, the function that waits for the charts and puts them in it)."""
+    this one goes on): (the context, the function that waits for the charts and puts them in it, or
+    given True abandons them)."""
     if not isinstance(aggregate, dict) or not isinstance(aggregate.get("runs"), list):
         raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
     runs = aggregate["runs"]
@@ -179,9 +180,9 @@ def start_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
         "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
     }
 
-    def finish() -> None:
-        drawing()
-        if svg_files:
+    def finish(abandon: bool = False) -> None:
+        drawing(abandon)
+        if svg_files and not abandon:
             C.save_svgs([*scenarios, quality], png_dir)  # type: ignore[arg-type]
 
     return ctx, finish
@@ -213,8 +214,10 @@ def render_report(aggregate: dict, out_dir: Path, title: Optional[str] = None,
     try:  # what needs no chart is written while the charts are drawn
         data = {"json": atomic_write(out_dir / FILES["json"], json_text(aggregate)),
                 "csv": write_csv(aggregate, out_dir / FILES["csv"])}
-    finally:
-        charts_drawn()
+    except BaseException:
+        charts_drawn(True)
+        raise
+    charts_drawn()
     env = environment()
     if "md" in formats:
         files["md"] = atomic_write(out_dir / FILES["md"], env.get_template("report.md.j2").render(ctx))
