@@ -32,8 +32,8 @@ def planner_view(agg: dict) -> dict:
     for k, v in pl.items():
         if k in ("gib", "models", "kv_bytes"):
             continue
-        if k == "gpu_memory_utilization" and not _has_gpu(agg):
-            continue  # a share of GPU memory means nothing where no run had a GPU
+        if k in ("gpu_memory_utilization", "overhead_gib") and not _has_gpu(agg):
+            continue  # a share of GPU memory, a GPU's overhead: nothing where no run had a GPU (CPU: RSS)
         if k == "gpu_memory_utilization" and is_num(v):
             constants.append((names[k], f"{v * 100:.0f} %"))
         elif not isinstance(v, (dict, list)):
