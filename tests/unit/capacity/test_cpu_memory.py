@@ -134,7 +134,7 @@ def test_a_cpu_run_of_an_earlier_kvexp_is_held_to_its_rss_and_says_it_was_planne
     (1.60 GiB), measured 0.15 GiB of RSS: the table compares the two and says why they are so far apart."""
     import json
 
-    doc = json.loads((Path(__file__).parent / "fixtures" / "decision" / "fp16" / "result.json").read_text())
+    doc = json.loads((FIXTURES / "decision" / "fp16" / "result.json").read_text())
     c = memory_check(doc)
     assert c is not None and c.measure == "rss" and c.gpu_planned and "planned as on a GPU" in c.words
     assert c.predicted_gib == doc["planner"]["predicted_peak_memory_gib"]
