@@ -37,6 +37,7 @@ class MemoryCheck:
     levels: tuple[LevelMemory, ...]
     parts: tuple[tuple[str, Optional[float]], ...] = ()
     saved_prompts: Optional[int] = None
+    gpu_planned: bool = False  # a CPU run planned as on a GPU (a document of an earlier kvexp): its figure is off
 
     @property
     def error_pct(self) -> Optional[float]:
@@ -44,7 +45,10 @@ class MemoryCheck:
 
     @property
     def words(self) -> str:
-        return "RSS of the server's processes (CPU)" if self.measure == "rss" else "GPU memory"
+        if self.measure != "rss":
+            return "GPU memory"
+        return "RSS of the server's processes (CPU)" + ("; planned as on a GPU (an earlier kvexp)"
+                                                         if self.gpu_planned else "")
 
 
 def _num(d: Mapping[str, Any], key: str) -> Optional[float]:
@@ -57,7 +61,11 @@ def memory_check(run: Mapping[str, Any]) -> Optional[MemoryCheck]:
     plan = run.get("planner")
     if not isinstance(plan, Mapping) or _num(plan, "predicted_peak_memory_gib") is None:
         return None
-    rss = plan.get("memory_measure") == "rss"
+    gpu = run.get("gpu")
+    on_gpu = (bool(gpu.get("memory_gib") or gpu.get("name")) if isinstance(gpu, Mapping)
+              else bool(gpu or run.get("gpu_gib")))
+    gpu_planned = plan.get("memory_measure") is None and not on_gpu  # before the planner knew the CPU
+    rss = plan.get("memory_measure") == "rss" or gpu_planned
     rows = {_num(r, "concurrency"): r for r in plan.get("levels") or [] if isinstance(r, Mapping)}
     levels = []
     for lv in run.get("levels") or []:
@@ -66,7 +74,8 @@ def memory_check(run: Mapping[str, Any]) -> Optional[MemoryCheck]:
         x = _num(lv, "concurrency")
         measured = _num(lv, "peak_rss_gib") if rss else (_num(lv, "peak_server_gpu_gib") or _num(lv, "peak_vram_gib"))
         row = rows.get(x) or {}
-        predicted = _num(row, "predicted_rss_gib") if rss else _num(plan, "predicted_peak_memory_gib")
+        predicted = (_num(row, "predicted_rss_gib") if rss and not gpu_planned
+                     else _num(plan, "predicted_peak_memory_gib"))
         levels.append(LevelMemory(x, predicted, measured))
     measured = [lv.measured_gib for lv in levels if lv.measured_gib is not None]
     cpu = plan.get("cpu_memory") if rss and isinstance(plan.get("cpu_memory"), Mapping) else {}
@@ -77,7 +86,7 @@ def memory_check(run: Mapping[str, Any]) -> Optional[MemoryCheck]:
             ("KV cache", "kv_cache_bytes"), ("prompt cache", "prompt_cache_bytes")))
     return MemoryCheck("rss" if rss else "vram", _num(plan, "predicted_peak_memory_gib"),
                        max(measured) if measured else None, tuple(levels), parts,
-                       cpu.get("saved_prompts") if cpu else None)
+                       cpu.get("saved_prompts") if cpu else None, gpu_planned)
 
 
 def parts_words(check: MemoryCheck) -> str:

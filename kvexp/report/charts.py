@@ -13,7 +13,7 @@ import math
 import multiprocessing
 import re
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -298,45 +298,59 @@ PARALLEL_MIN_CHARTS = 6
 MAX_WORKERS = 4
 
 
-def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Callable[[], list[Chart]]:
-    """Start drawing each (render_chart or render_legend, its arguments); returns the function that waits
-    for the Charts, in order. Many are drawn by worker processes, one per CPU (fork where this process
-    holds no other thread, else spawn), while this process goes on with other work; few, or on one CPU,
-    or when the pool fails, are drawn here when asked for."""
+class Drawing:
+    """Charts being drawn (start_all): result() waits for them, in order; abandon() stops what is left."""
+
+    def __init__(self, tasks: Sequence[tuple[Any, tuple]], pool: Optional[ProcessPoolExecutor] = None) -> None:
+        self.tasks, self.pool = tasks, pool
+        self.futures = [pool.submit(fn, *args) for fn, args in tasks] if pool is not None else []
+
+    def result(self) -> list[Chart]:
+        if self.pool is None:
+            return [fn(*args) for fn, args in self.tasks]
+        try:
+            return [f.result() for f in self.futures]  # a task's own error (a full disk) is raised as it is
+        except BrokenExecutor as e:  # (a worker died: draw them here)
+            log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
+            return [fn(*args) for fn, args in self.tasks]
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+
+    def abandon(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Drawing:
+    """Start drawing each (render_chart or render_legend, its arguments). Many are drawn by worker
+    processes, one per CPU (fork where this process holds no other thread, else spawn), while this
+    process goes on with other work; few, or on one CPU, or when the pool cannot start, are drawn here
+    when their result is asked for."""
     workers = min(machine.usable_cpus(), MAX_WORKERS, len(tasks))
     if workers < 2 or len(tasks) < PARALLEL_MIN_CHARTS:
-        return lambda: [fn(*args) for fn, args in tasks]
+        return Drawing(tasks)
     method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
         else "spawn"  # (as kvexp.report.pdf starts its workers)
     try:
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
-        futures = [pool.submit(fn, *args) for fn, args in tasks]
-    except (OSError, RuntimeError) as e:  # (a pool that cannot start: draw them here)
+        return Drawing(tasks, ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)))
+    except (OSError, BrokenExecutor) as e:  # (a pool that cannot start: draw them here)
         log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
-        return lambda: [fn(*args) for fn, args in tasks]
-
-    def result() -> list[Chart]:
-        try:
-            return [f.result() for f in futures]
-        except (OSError, RuntimeError) as e:  # (a worker that died: draw them here)
-            log.warning("charts: drawing in one process (%s)", " ".join(str(e).split()))
-            return [fn(*args) for fn, args in tasks]
-        finally:
-            pool.shutdown(cancel_futures=True)
-
-    return result
+        return Drawing(tasks)
 
 
-def start_views(views: Sequence[Optional[dict]]) -> Callable[[], None]:
+def start_views(views: Sequence[Optional[dict]]) -> Callable[[bool], None]:
     """Start drawing the charts and legends the views hold as (function, arguments) (their "charts" list
     and "legend"), all at once (start_all); the function returned waits for them and puts each Chart in
-    its place."""
+    its place, or, given True, abandons them (the report failed before it needed them)."""
     views = [v for v in views if v]
     tasks = [t for v in views for t in [*v["charts"], *([v["legend"]] if v.get("legend") else [])]]
-    waiting = start_all(tasks)
+    drawing = start_all(tasks)
 
-    def finish() -> None:
-        drawn = iter(waiting())
+    def finish(abandon: bool = False) -> None:
+        if abandon:
+            drawing.abandon()
+            return
+        drawn = iter(drawing.result())
         for v in views:
             v["charts"] = [next(drawn) for _ in v["charts"]]
             v["legend"] = next(drawn) if v.get("legend") else None

@@ -31,8 +31,8 @@ def planner_view(agg: Aggregate) -> dict:
     for k, v in pl.items():
         if k in ("gib", "models", "kv_bytes"):
             continue
-        if k == "gpu_memory_utilization" and not _has_gpu(agg):
-            continue  # a share of GPU memory means nothing where no run had a GPU
+        if k in ("gpu_memory_utilization", "overhead_gib") and not _has_gpu(agg):
+            continue  # a share of GPU memory, a GPU's overhead: nothing where no run had a GPU (CPU: RSS)
         if k == "gpu_memory_utilization" and is_num(v):
             constants.append((names[k], f"{v * 100:.0f} %"))
         elif not isinstance(v, (dict, list)):
@@ -164,8 +164,8 @@ def memory_view(agg: Aggregate) -> Optional[Table]:
     rows = []
     for _, sruns in agg.scenarios():
         for r in sruns:
-            c = memory_check({"planner": r.planner, "levels": [lv.to_json() for lv in r.levels]}) \
-                if r.planner else None
+            c = memory_check({"planner": r.planner, "gpu": r.gpu, "gpu_gib": r.gpu_gib,
+                              "levels": [lv.to_json() for lv in r.levels]}) if r.planner else None
             if c is None:
                 continue
             err = c.error_pct

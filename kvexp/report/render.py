@@ -131,9 +131,10 @@ def is_large(aggregate: Aggregate) -> bool:
 
 
 def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Optional[Path] = None,
-                  svg: bool = True) -> tuple[dict, Callable[[], None]]:
+                  svg: bool = True) -> tuple[dict, Callable[..., None]]:
     """build_context with its charts still being drawn (charts.start_views: in worker processes while
-    this one goes on): (the context, the function that waits for the charts and puts them in it)."""
+    this one goes on): (the context, the function that waits for the charts and puts them in it, or
+    given True abandons them)."""
     if not isinstance(aggregate, Aggregate) or aggregate.present is not None and "runs" not in aggregate.present:
         raise ReportError("the aggregate has no runs list: expected the reference shape (gpu, runs[], ...)")
     runs = aggregate.runs
@@ -181,9 +182,9 @@ def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
         "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
     }
 
-    def finish() -> None:
-        drawing()
-        if svg_files:
+    def finish(abandon: bool = False) -> None:
+        drawing(abandon)
+        if svg_files and not abandon:
             C.save_svgs([*scenarios, quality], png_dir)  # type: ignore[arg-type]
 
     return ctx, finish
@@ -216,8 +217,10 @@ def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = No
     try:  # what needs no chart is written while the charts are drawn
         data = {"json": atomic_write(out_dir / FILES["json"], json_text(doc)),
                 "csv": write_csv(aggregate, out_dir / FILES["csv"])}
-    finally:
-        charts_drawn()
+    except BaseException:
+        charts_drawn(True)
+        raise
+    charts_drawn()
     env = environment()
     if "md" in formats:
         files["md"] = atomic_write(out_dir / FILES["md"], env.get_template("report.md.j2").render(ctx))

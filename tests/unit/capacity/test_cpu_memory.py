@@ -5,10 +5,9 @@ each level's prediction against the RSS measured in the same run (test_cpu_memor
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import FIXTURES, TINY
 
 from kvexp.app.compose import compose
 from kvexp.backends import create
@@ -20,7 +19,7 @@ from kvexp.planning import prediction
 from kvexp.planning.memory import memory_check, parts_words
 
 MIB = 1 << 20
-FIX = Path(__file__).parent / "fixtures" / "llamacpp"
+FIX = FIXTURES / "llamacpp"
 
 
 def test_every_request_is_saved_but_those_still_in_a_slot():
@@ -128,3 +127,15 @@ def test_the_compute_buffer_is_resident_as_far_as_the_largest_batch_reached():
                                 request_state_bytes=None, buffers=b, prompt_tokens=128)
     # one stream: a 128-token batch; four: 512, the whole buffer, which stays resident at the next level
     assert [round(v * 1024, 2) for v in out["levels_rss_gib"]] == [5.0, 17.0, 17.0]
+
+
+def test_a_cpu_run_of_an_earlier_kvexp_is_held_to_its_rss_and_says_it_was_planned_as_on_a_gpu():
+    """The real SmolLM2 job of an earlier kvexp (tests/fixtures/decision): planned with a GPU's overhead
+    (1.60 GiB), measured 0.15 GiB of RSS: the table compares the two and says why they are so far apart."""
+    import json
+
+    doc = json.loads((FIXTURES / "decision" / "fp16" / "result.json").read_text())
+    c = memory_check(doc)
+    assert c is not None and c.measure == "rss" and c.gpu_planned and "planned as on a GPU" in c.words
+    assert c.predicted_gib == doc["planner"]["predicted_peak_memory_gib"]
+    assert c.measured_gib == max(lv["peak_rss_gib"] for lv in doc["levels"]) and c.error_pct < -85

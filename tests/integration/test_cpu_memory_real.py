@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from conftest import missing
-from test_gemma3_real import gemma3  # noqa: F401 (a fixture)
-from test_realmodel import smollm2  # noqa: F401 (a fixture)
+from integration.llamacpp.test_gemma3_real import gemma3  # noqa: F401 (a fixture)
+from integration.test_realmodel import smollm2  # noqa: F401 (a fixture)
 
 from kvexp.analysis.aggregate import collect
 from kvexp.app.compose import compose
@@ -100,7 +100,9 @@ def test_the_prompt_cache_is_what_the_servers_own_log_says(jobs):
 def test_the_planner_page_compares_the_rss(jobs):
     agg = collect([folder / "result.json" for name, folder in ((n, f) for n, (_, f) in jobs.items())
                    if name not in ("ollama", "vllm")])
-    table = planner_view(agg)["memory"]
+    view = planner_view(agg)
+    assert not [c for c in view["constants"] if c[0] in ("Overhead (GiB)", "GPU memory utilisation")]  # no GPU
+    table = view["memory"]
     assert table is not None and table.headers[3] == "Memory measured"
     for row in table.rows:
         assert row[3] == "RSS of the server's processes (CPU)" and row[7].startswith("runtime ")

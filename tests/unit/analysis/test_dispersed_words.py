@@ -5,11 +5,13 @@ cannot be told apart, with what to run (scenario.repeats=3, more requests per le
 import json
 from pathlib import Path
 
+from conftest import FIXTURES
+
 from kvexp.analysis import noise
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.findings import compute_findings
 
-REAL = Path(__file__).parent / "fixtures" / "decision"
+REAL = FIXTURES / "decision"
 
 
 def _pair(tmp: Path, spread: float) -> dict:
@@ -34,7 +36,7 @@ def test_the_overall_best_of_a_dispersed_level_says_what_the_verdict_says(tmp_pa
     assert "scenario.repeats=3" in overall.sentence and "more requests per level" in overall.sentence
     for word in ("tie", "not comparable", "threshold"):
         assert word not in overall.sentence, (word, overall.sentence)
-    (verdict,) = agg["verdicts"]
+    (verdict,) = agg.verdicts
     assert "cannot be told apart" in verdict["why"] and noise.DISPERSED in verdict["why"]
 
 

@@ -9,26 +9,39 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import hardware_skip
-from test_interrupts import Kvexp
-from test_sigkill import BACKENDS, CHILD, _args
+from conftest import FIXTURES, hardware_skip
+from unit.app.test_interrupts import Kvexp
+from integration.test_sigkill import BACKENDS, _args
 
 from kvexp.analysis import comparable
 from kvexp.results.store import load_document
 
 
 PROGRAM = {"llamacpp": "llama-server", "vllm": "vllm", "ollama": "ollama"}  # in the server's command line
+# a process each backend starts besides the server: its name (15 characters at most) or command line
+CHILD = {"llamacpp": None, "vllm": "VLLM::EngineCor", "ollama": "runner"}
+
+
+def is_server(backend: str, argv: list[str]) -> bool:
+    """The server process itself: not a probe kvexp runs with the same program (llama-server --help, the vLLM
+    venv's python asked whether vllm imports)."""
+    if not argv or "--help" in argv:
+        return False
+    if backend == "vllm":
+        return "vllm.entrypoints.openai.api_server" in argv
+    return Path(argv[0]).name.startswith(PROGRAM[backend]) and (backend != "ollama" or argv[1:2] == ["serve"])
 
 
 class TreeWatch:
     """Every thread of every process under the servers kvexp runs, sampled every 0.1 s: the CPUs each
     may run on (sched_getaffinity of the thread id) and the processes' names and command lines."""
 
-    def __init__(self, k: Kvexp):
-        self.k = k
+    def __init__(self, k: Kvexp, backend: str):
+        self.k, self.backend = k, backend
         self.cpus: dict[int, set[int]] = {}  # pid -> union of its threads' CPUs over the run
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
@@ -37,8 +50,14 @@ class TreeWatch:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for root in self.k.servers():
+            try:
+                under = psutil.Process(self.k.proc.pid).children(recursive=True)
+            except psutil.Error:  # kvexp has ended
+                under = []
+            for root in under:
                 try:
+                    if not is_server(self.backend, root.cmdline()):
+                        continue
                     tree = [root, *root.children(recursive=True)]
                 except psutil.Error:
                     continue
@@ -67,7 +86,7 @@ def test_every_process_of_each_server_runs_on_the_cpus_kvexp_recorded(backend, r
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVEXP_CALIBRATION": str(tmp_path / "cal.json")}
     k = Kvexp(_args(backend, request, "scenario.concurrency=[2]", "scenario.requests=8"), tmp_path, env,
               server=PROGRAM[backend])
-    watch = TreeWatch(k)
+    watch = TreeWatch(k, backend)
     try:
         rc = k.finish(timeout=900)
     finally:
@@ -100,11 +119,10 @@ def test_runs_whose_servers_ran_on_other_cpus_are_not_compared(tmp_path):
     read back on more CPUs than it was pinned to (a server that set its threads' CPUs itself): the CPU
     budget differed, so they are not compared, and the reason names both placements."""
     import json
-    from pathlib import Path
 
     from kvexp.analysis.aggregate import collect
 
-    real = Path(__file__).parent / "fixtures" / "decision"
+    real = FIXTURES / "decision"
     docs = {kv: json.loads((real / kv / "result.json").read_text()) for kv in ("fp16", "q8_0")}
     for d in docs.values():
         for lv in d["levels"]:
@@ -116,7 +134,7 @@ def test_runs_whose_servers_ran_on_other_cpus_are_not_compared(tmp_path):
             (tmp_path / folder / kv).mkdir(parents=True)
             (tmp_path / folder / kv / "result.json").write_text(json.dumps(d))
             paths.append(tmp_path / folder / kv / "result.json")
-        (v,) = collect(paths)["verdicts"]
+        (v,) = collect(paths).verdicts
         return v
 
     assert verdict("alike")["excluded"] == []
