@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 GIB_BYTES = 1 << 30
-MIB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -43,8 +42,8 @@ class CpuMemoryModel:
     """A server's resident memory on a CPU, as far as the planner models it (declared by its adapter).
 
     runtime_*: the runtime's coefficients (see the module; `runtime_bytes`); runtime_source: the measurements
-    they were fitted to. prompt_cache_limit_bytes: the most the server keeps of finished prompts' states (None: it keeps
-    none beside its KV cache)."""
+    they were fitted to. prompt_cache_limit_bytes: the most the server keeps of finished prompts' states
+    (None: it keeps none beside its KV cache)."""
 
     name: str
     runtime_base_bytes: int
