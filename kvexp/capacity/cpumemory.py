@@ -9,6 +9,10 @@ runtime       the program, its libraries and interpreter, threads, the tokenizer
               base + per vocabulary entry x vocabulary + per merge x a BPE tokenizer's merges + per slot x
               slots, each coefficient fitted per backend on this machine to measured runs; each backend
               says which (`CpuMemoryModel.runtime_source`).
+weights       the model's files on disk (ModelArch.weights_gib) x the backend's weights_factor: llama.cpp
+              maps the GGUF and every page a forward pass reads becomes resident; Ollama's log states the
+              weights as its runner holds them (its own engine keeps some in another type), which wins;
+              vLLM copies the checkpoint into tensors of its own.
 buffers       what the server allocates at start beside the mapped weights and the KV cache, as its own log
               states it (llama.cpp: `CPU output buffer size`, a copy of repacked weights `CPU_REPACK model
               buffer size`, and `CPU compute buffer size`, sized for a full micro-batch of n_ubatch tokens).
