@@ -390,7 +390,7 @@ class Ollama(Adapter):
     def model_lost(self, log_part: str) -> Optional[str]:
         if m := _RUNNER_GONE.search(log_part):
             return f'Ollama\'s runner died ("{m[1]}", {m[2]}) and the model was loaded again'
-        return ("Ollama started its model runner again (the model was loaded again)"
+        return ("Ollama started its model runner again: the model was loaded again"
                 if _RUNNER_START.search(log_part) else None)
 
     async def preload(self, session: aiohttp.ClientSession) -> bool:

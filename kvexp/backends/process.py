@@ -258,6 +258,15 @@ class ServerProcess:
             deadline = time.monotonic() + timeout_s
             while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] and time.monotonic() < deadline:
                 time.sleep(0.005)
+            # the keeper may still hold what it read last (it lets a trickle gather): the file has caught up
+            # when its count stands still over a few of the keeper's gathering times
+            seen = serverlog.written(self.log_path, self.log_cap.head)
+            while time.monotonic() < deadline:
+                time.sleep(3 * serverlog.GATHER_S)
+                now = serverlog.written(self.log_path, self.log_cap.head)
+                if now == seen:
+                    break
+                seen = now
         except OSError:
             pass
         finally:

@@ -9,6 +9,10 @@ runtime       the program, its libraries and interpreter, threads, the tokenizer
               base + per vocabulary entry x vocabulary + per merge x a BPE tokenizer's merges + per slot x
               slots, each coefficient fitted per backend on this machine to measured runs; each backend
               says which (`CpuMemoryModel.runtime_source`).
+weights       the model's files on disk (ModelArch.weights_gib) x the backend's weights_factor: llama.cpp
+              maps the GGUF and every page a forward pass reads becomes resident; Ollama's log states the
+              weights as its runner holds them (its own engine keeps some in another type), which wins;
+              vLLM copies the checkpoint into tensors of its own.
 buffers       what the server allocates at start beside the mapped weights and the KV cache, as its own log
               states it (llama.cpp: `CPU output buffer size`, a copy of repacked weights `CPU_REPACK model
               buffer size`, and `CPU compute buffer size`, sized for a full micro-batch of n_ubatch tokens).
@@ -35,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 GIB_BYTES = 1 << 30
-MIB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,8 @@ class CpuMemoryModel:
     """A server's resident memory on a CPU, as far as the planner models it (declared by its adapter).
 
     runtime_*: the runtime's coefficients (see the module; `runtime_bytes`); runtime_source: the measurements
-    they were fitted to. prompt_cache_limit_bytes: the most the server keeps of finished prompts' states (None: it keeps
-    none beside its KV cache)."""
+    they were fitted to. prompt_cache_limit_bytes: the most the server keeps of finished prompts' states
+    (None: it keeps none beside its KV cache)."""
 
     name: str
     runtime_base_bytes: int

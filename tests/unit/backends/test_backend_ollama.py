@@ -469,5 +469,5 @@ def test_a_runner_lost_mid_level_is_read_from_the_servers_own_lines():
              'cmd="/root/.cache/kvexp/bin/ollama-0.24.0-b1 runner --model /m/blobs/sha256-2dfa --port 43849"\n')
     assert b.model_lost(gone + again) == ('Ollama\'s runner died ("llama runner process no longer running", '
                                           'signal: killed) and the model was loaded again')
-    assert b.model_lost(again) == "Ollama started its model runner again (the model was loaded again)"
+    assert b.model_lost(again) == "Ollama started its model runner again: the model was loaded again"
     assert b.model_lost('time=... level=INFO source=routes.go:1 msg="request" status=200\n') is None
