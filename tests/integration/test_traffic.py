@@ -73,9 +73,10 @@ def test_llamacpp_conversation_history_grows_and_is_reused(llama_server, tmp_pat
     assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["requests"] == 2 and not t["errors"] for t in turns)
     prompt = [t["mean_prompt_tokens"] for t in turns]
     assert prompt[0] == 128 and prompt[0] < prompt[1] < prompt[2]
-    # each turn sends the previous turn's prompt, the server's answer (32 tokens, as its tokenizer reads
-    # the text back) and 128 new tokens
-    assert prompt[1] - prompt[0] >= 128 + 30
+    # each turn sends the previous turn's prompt, the server's answer as its tokenizer reads the text back
+    # (no more than the tokens it generated; often fewer, where the text it wrote merges into longer
+    # tokens: 24 of 32 was seen) and 128 new tokens
+    assert prompt[1] - prompt[0] > 128
     assert turns[0]["mean_cached_tokens"] == 0
     assert turns[1]["mean_cached_tokens"] >= 128 and turns[2]["mean_cached_tokens"] >= prompt[1] * 0.9
     # the cache never held more than the planner's bound for the longest turn (its history at full length)
@@ -92,6 +93,9 @@ def test_llamacpp_conversation_history_grows_and_is_reused(llama_server, tmp_pat
         rs.sort(key=lambda r: r["turn"])
         assert all(b["sent_s"] >= a["done_s"] for a, b in zip(rs, rs[1:]))
         assert all(r["prompt_tokens"] == r["target_prompt_tokens"] for r in rs)
+        # the history grew by the answer the server counted, read back by its own tokenizer
+        assert all(0.5 * a["output_tokens"] <= b["prompt_tokens"] - a["prompt_tokens"] - 128 <= a["output_tokens"] + 1
+                   for a, b in zip(rs, rs[1:]))
 
 
 def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path, loop_lags):
