@@ -179,6 +179,22 @@ def peak_table(runs: list[dict], names: dict[str, str], first: str = "job") -> T
     return Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)
 
 
+def level_cells(rows: list[tuple[dict, dict]], key: str) -> list[str]:
+    """level_cell of each (run, level) of a column, with what a run's rows share (its status, whether any
+    of its levels has the figure) read once per run, not once per cell."""
+    if key in _REPEAT_KEYS:
+        return [level_cell(r, lv, key) for r, lv in rows]
+    exposed: dict[int, bool] = {}
+    out = []
+    for r, lv in rows:
+        failed = lv.get("status") == "failed" or D.run_status(r) in ("failed", "skipped")
+        e = True
+        if registry.level_value(lv, key) is None:  # (exposure matters only to a missing figure)
+            e = exposed[id(r)] if id(r) in exposed else exposed.setdefault(id(r), D.exposes(r, key))
+        out.append(registry.level_text(lv, key, failed=failed, exposed=e, foreign=bool(r.get("tool"))))
+    return out
+
+
 def tool_name(run: dict) -> str:
     """Which tool measured a run: kvexp, or the other benchmark tool (with its version) whose file it came from."""
     if not run.get("tool"):
