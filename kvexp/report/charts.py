@@ -45,6 +45,8 @@ def marker(backend: Any) -> str:
 MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
 MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
 MAX_LABELLED_SERIES = 4  # above this many lines a chart labels each line's first and last point only
+MAX_POINT_LABELS = 12  # a line of more points labels this many, evenly spread, its first and last among them
+MAX_MARKED_POINTS = 64  # a line of more points than this is drawn without markers
 FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page
 PNG_DPI = 110
 _RC = {
@@ -225,6 +227,19 @@ def _legend_corner(ax: Any, spec: ChartSpec, key: Sequence[Line2D]) -> str:
     return _CORNERS[counts.index(min(counts))]
 
 
+def labelled(points: int, lines: int) -> set[int]:
+    """Which points of a line of `points` get their label in a chart of `lines` lines: every one, or
+    (beyond MAX_LABELLED_SERIES lines) the first and last, or (beyond MAX_POINT_LABELS points)
+    MAX_POINT_LABELS spread evenly from the first to the last: labels that overlap tell nothing."""
+    if points <= 1:
+        return set(range(points))
+    if lines > MAX_LABELLED_SERIES:
+        return {0, points - 1}
+    if points <= MAX_POINT_LABELS:
+        return set(range(points))
+    return {round(i * (points - 1) / (MAX_POINT_LABELS - 1)) for i in range(MAX_POINT_LABELS)}
+
+
 def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel_dir: str = "charts") -> Chart:
     """Draw one chart; write `png_dir/<name>.png` when png_dir is given; return the SVG text when svg."""
     with mpl.rc_context(_RC):
@@ -238,11 +253,12 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             if not pts or all(math.isnan(y) for _, y in pts):
                 continue
             xs_all.update(x for x, _ in pts)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour,
+                    marker=s.marker if marked and len(pts) <= MAX_MARKED_POINTS else None,
                     markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
-            ends = len(spec.series) > MAX_LABELLED_SERIES  # (every point's label would overlap another's)
+            shown = labelled(len(pts), len(spec.series))
             for i, ((x, y), text) in enumerate(zip(pts, s.point_labels)):
-                if not math.isnan(y) and (not ends or i in (0, len(pts) - 1)):
+                if not math.isnan(y) and i in shown:
                     ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
                                 color=s.colour, annotation_clip=False)  # (its point is data: inside the axes)
         for y, _what in spec.hlines:

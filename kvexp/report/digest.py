@@ -87,7 +87,9 @@ def digest(ctx: dict, aggregate: dict) -> dict:
     findings = [{**g, "sentences": _first(g["sentences"], "findings of this kind")} for g in ctx["findings"]]
     failures = ctx["failures"]
     runs = len(aggregate.get("runs") or [])
-    return {**ctx, "digest": {"runs": runs, "full": FULL, "more_failures": max(0, len(failures) - LIST_ITEMS)},
+    levels = sum(len(r.get("levels") or []) for r in aggregate.get("runs") or [])
+    return {**ctx, "digest": {"runs": runs, "levels": levels, "full": FULL,
+                              "more_failures": max(0, len(failures) - LIST_ITEMS)},
             "verdicts": verdicts, "findings": findings, "scenarios": scenarios, "setup": setup, "planner": planner,
             "quality": quality, "cards": _cards(interpretation(aggregate)["kv_cards"], ranking),
             "warnings": _first(ctx["warnings"], "stability warnings"), "failures": failures[:LIST_ITEMS]}

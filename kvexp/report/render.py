@@ -122,10 +122,17 @@ def build_context(aggregate: dict, title: Optional[str] = None, png_dir: Optiona
     return ctx
 
 
+# A report of more levels than this (every level is a row of three tables) lays out for minutes as a
+# PDF of every row: its PDF is a digest.
+DIGEST_LEVELS = 500
+
+
 def is_large(aggregate: dict) -> bool:
-    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS): its charts
-    show the best runs, its Markdown links them as SVG files and its PDF is a summary (report/digest.py)."""
-    return any(len(runs) > CHART_RUNS for _, runs in D.scenarios(aggregate))
+    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS) or of more
+    than DIGEST_LEVELS levels: its Markdown links the charts as SVG files (the HTML's drawing) and its
+    PDF is a digest (report/digest.py); a large scenario's charts show its best runs."""
+    levels = sum(len(r.get("levels") or []) for r in aggregate.get("runs") or [])
+    return levels > DIGEST_LEVELS or any(len(runs) > CHART_RUNS for _, runs in D.scenarios(aggregate))
 
 
 def start_context(aggregate: dict, title: Optional[str] = None, png_dir: Optional[Path] = None,

@@ -182,16 +182,17 @@ def peak_table(runs: list[dict], names: dict[str, str], first: str = "job") -> T
 def level_cells(rows: list[tuple[dict, dict]], key: str) -> list[str]:
     """level_cell of each (run, level) of a column, with what a run's rows share (its status, whether any
     of its levels has the figure) read once per run, not once per cell."""
-    if key in _REPEAT_KEYS:
-        return [level_cell(r, lv, key) for r, lv in rows]
+    repeat = key in _REPEAT_KEYS
     exposed: dict[int, bool] = {}
     out = []
     for r, lv in rows:
         failed = lv.get("status") == "failed" or D.run_status(r) in ("failed", "skipped")
+        value = FL.repeat_stats(lv)[_REPEAT_KEYS[key]] if repeat else None
         e = True
-        if registry.level_value(lv, key) is None:  # (exposure matters only to a missing figure)
+        if (value if repeat else registry.level_value(lv, key)) is None:  # (it matters only to a missing figure)
             e = exposed[id(r)] if id(r) in exposed else exposed.setdefault(id(r), D.exposes(r, key))
-        out.append(registry.level_text(lv, key, failed=failed, exposed=e, foreign=bool(r.get("tool"))))
+        out.append(registry.level_text(lv, key, failed=failed, exposed=e, foreign=bool(r.get("tool")),
+                                       value=value, plain=repeat))
     return out
 
 
