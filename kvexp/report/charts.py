@@ -324,6 +324,7 @@ def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: O
 # Below this many charts one process draws them sooner than a pool starts; above it, one process per CPU
 # (up to MAX_WORKERS) draws them: matplotlib takes 0.1-0.3 s of one core per chart and format.
 PARALLEL_MIN_CHARTS = 6
+SPAWN_MIN_CHARTS = 24  # a spawned worker imports kvexp and matplotlib first (seconds): worth it for many only
 MAX_WORKERS = 4
 
 
@@ -360,6 +361,8 @@ def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Drawing:
         return Drawing(tasks)
     method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
         else "spawn"  # (as kvexp.report.pdf starts its workers)
+    if method == "spawn" and len(tasks) < SPAWN_MIN_CHARTS:
+        return Drawing(tasks)
     try:
         return Drawing(tasks, ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)))
     except (OSError, BrokenExecutor) as e:  # (a pool that cannot start: draw them here)
