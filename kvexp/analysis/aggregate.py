@@ -14,7 +14,7 @@ from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
 from kvexp.results.documents import JobResult
 from kvexp.results.runs import Aggregate, Run
-from kvexp.results.store import ResultError, find_results, load_any
+from kvexp.results.store import ResultError, find_results, load_all
 from kvexp.results.validate import SCHEMA_VERSION, validate_document
 
 
@@ -29,8 +29,7 @@ def collect(paths: Iterable[Path], results: Optional[list[JobResult]] = None) ->
     results = [] if results is None else results
     gpu, gpu_gib, environment_ = None, None, None
     foreign_levels: list[Any] = []
-    for path in find_results(paths):
-        kind, doc = load_any(path)
+    for path, kind, doc in load_all(find_results(paths)):  # (in parallel where there are many)
         if kind == "foreign":
             foreign_levels += _foreign_levels(path, doc)
         elif kind == "aggregate":

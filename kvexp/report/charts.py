@@ -14,9 +14,10 @@ import multiprocessing
 import re
 import threading
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
@@ -45,6 +46,8 @@ def marker(backend: Any) -> str:
 MARKER_GLYPHS = {"o": "●", "s": "■", "^": "▲", "D": "◆"}  # the same shapes as text, for HTML legends
 MAX_MARKED_SERIES = 16  # above this many lines a chart drops its markers (they cost more than they tell)
 MAX_LABELLED_SERIES = 4  # above this many lines a chart labels each line's first and last point only
+MAX_POINT_LABELS = 12  # a line of more points labels this many, evenly spread, its first and last among them
+MAX_MARKED_POINTS = 64  # a line of more points than this is drawn without markers
 FIG_SIZE = (4.6, 3.0)  # inches; three across a landscape A4 page
 PNG_DPI = 110
 _RC = {
@@ -52,6 +55,18 @@ _RC = {
     "legend.fontsize": 7, "svg.fonttype": "none", "axes.grid": True, "grid.alpha": 0.3,
     "axes.spines.top": False, "axes.spines.right": False,
 }
+
+
+@contextmanager
+def _style(params: dict[str, Any]) -> Iterator[None]:
+    """matplotlib's rc_context for a few settings: it copies and restores only those (rc_context copies
+    every setting, a tenth of a small chart's drawing time)."""
+    saved = {k: mpl.rcParams[k] for k in params}
+    mpl.rcParams.update(params)
+    try:
+        yield
+    finally:
+        mpl.rcParams.update(saved)
 
 
 @dataclass(frozen=True)
@@ -176,7 +191,7 @@ def lean(svg: str) -> str:
 def _save(fig: Figure, name: str, out_dir: Optional[Path], rel_dir: str,
           svg: bool) -> tuple[Optional[str], Optional[str]]:
     svg_text = png_rel = None
-    with mpl.rc_context({"svg.hashsalt": "kvexp", "svg.fonttype": "none"}):
+    with _style({"svg.hashsalt": "kvexp", "svg.fonttype": "none"}):
         if svg:
             buf = io.StringIO()
             fig.savefig(buf, format="svg", metadata={"Date": None})
@@ -225,9 +240,22 @@ def _legend_corner(ax: Any, spec: ChartSpec, key: Sequence[Line2D]) -> str:
     return _CORNERS[counts.index(min(counts))]
 
 
+def labelled(points: int, lines: int) -> set[int]:
+    """Which points of a line of `points` get their label in a chart of `lines` lines: every one, or
+    (beyond MAX_LABELLED_SERIES lines) the first and last, or (beyond MAX_POINT_LABELS points)
+    MAX_POINT_LABELS spread evenly from the first to the last: labels that overlap tell nothing."""
+    if points <= 1:
+        return set(range(points))
+    if lines > MAX_LABELLED_SERIES:
+        return {0, points - 1}
+    if points <= MAX_POINT_LABELS:
+        return set(range(points))
+    return {round(i * (points - 1) / (MAX_POINT_LABELS - 1)) for i in range(MAX_POINT_LABELS)}
+
+
 def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel_dir: str = "charts") -> Chart:
     """Draw one chart; write `png_dir/<name>.png` when png_dir is given; return the SVG text when svg."""
-    with mpl.rc_context(_RC):
+    with _style(_RC):
         fig = Figure(figsize=FIG_SIZE)  # fixed margins: a layout engine costs more than the drawing
         fig.subplots_adjust(left=0.15, right=0.97, top=0.90, bottom=0.15)
         ax = fig.add_subplot()
@@ -238,11 +266,12 @@ def render_chart(spec: ChartSpec, png_dir: Optional[Path], svg: bool = True, rel
             if not pts or all(math.isnan(y) for _, y in pts):
                 continue
             xs_all.update(x for x, _ in pts)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour, marker=s.marker if marked else None,
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color=s.colour,
+                    marker=s.marker if marked and len(pts) <= MAX_MARKED_POINTS else None,
                     markersize=3.5, linestyle=s.linestyle, linewidth=1.4, label=_text(s.label))
-            ends = len(spec.series) > MAX_LABELLED_SERIES  # (every point's label would overlap another's)
+            shown = labelled(len(pts), len(spec.series))
             for i, ((x, y), text) in enumerate(zip(pts, s.point_labels)):
-                if not math.isnan(y) and (not ends or i in (0, len(pts) - 1)):
+                if not math.isnan(y) and i in shown:
                     ax.annotate(_text(text), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6.5,
                                 color=s.colour, annotation_clip=False)  # (its point is data: inside the axes)
         for y, _what in spec.hlines:
@@ -283,7 +312,7 @@ def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: O
     """A legend strip: (label, colour, marker) per run, shared by every chart of a scenario."""
     ncol = max(1, min(columns, len(entries)))
     rows = math.ceil(len(entries) / ncol) if entries else 1
-    with mpl.rc_context(_RC):
+    with _style(_RC):
         fig = Figure(figsize=(11.0, 0.2 + 0.2 * rows))
         handles = [Line2D([], [], color=c, marker=m, markersize=4, linewidth=1.6, label=_text(lab))
                    for lab, c, m in entries]
@@ -295,6 +324,7 @@ def render_legend(name: str, entries: Sequence[tuple[str, str, str]], png_dir: O
 # Below this many charts one process draws them sooner than a pool starts; above it, one process per CPU
 # (up to MAX_WORKERS) draws them: matplotlib takes 0.1-0.3 s of one core per chart and format.
 PARALLEL_MIN_CHARTS = 6
+SPAWN_MIN_CHARTS = 24  # a spawned worker imports kvexp and matplotlib first (seconds): worth it for many only
 MAX_WORKERS = 4
 
 
@@ -331,6 +361,8 @@ def start_all(tasks: Sequence[tuple[Any, tuple]]) -> Drawing:
         return Drawing(tasks)
     method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
         else "spawn"  # (as kvexp.report.pdf starts its workers)
+    if method == "spawn" and len(tasks) < SPAWN_MIN_CHARTS:
+        return Drawing(tasks)
     try:
         return Drawing(tasks, ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)))
     except (OSError, BrokenExecutor) as e:  # (a pool that cannot start: draw them here)

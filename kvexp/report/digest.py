@@ -1,15 +1,15 @@
-"""The PDF of a large report (render.is_large: a scenario of more runs than its charts show): a digest of
-the full report's context, not its every table. A thousand runs are some twenty thousand table rows: a
-PDF of them takes WeasyPrint minutes and no one reads it; comparison.csv (every run and level) and
-report.html / report.md beside it hold them all.
+"""The PDF of a large report (render.is_large: a scenario of more runs than its charts show, or more
+levels than a PDF lays out in seconds): a digest of the full report's context, not its every table. A
+thousand runs are some twenty thousand table rows: a PDF of them takes WeasyPrint minutes and no one
+reads it; comparison.csv (every run and level) and report.html / report.md beside it hold them all.
 
 The digest keeps the verdicts, the ranking, the KV-dtype cards (one row per KV configuration: its best
 run's), per scenario its best runs (the ones its charts show, scenario_view.best_runs), one row each at
-its peak throughput, and its charts, the quality chart and its runs' rows, the setup's facts and the planner's constants; the
-first few findings of each kind, stability warnings, failures and runs a verdict leaves out, each list
-saying how many more the HTML holds. Tables of one row per run (the setup's runs and KV caches, the
-planner's capacities) and the launch commands stay in the HTML. A note at the top says where the full
-tables are."""
+its peak throughput, and its charts, the quality chart and its runs' rows, the setup's facts and the
+planner's constants; the first few findings of each kind, stability warnings, failures and runs a
+verdict leaves out, each list saying how many more the HTML holds. Tables of one row per run (the
+setup's runs and KV caches, the planner's capacities) and the launch commands stay in the HTML. A note
+at the top says where the full tables are."""
 
 from __future__ import annotations
 
@@ -88,7 +88,9 @@ def digest(ctx: dict, aggregate: Aggregate) -> dict:
     findings = [{**g, "sentences": _first(g["sentences"], "findings of this kind")} for g in ctx["findings"]]
     failures = ctx["failures"]
     runs = len(aggregate.runs)
-    return {**ctx, "digest": {"runs": runs, "full": FULL, "more_failures": max(0, len(failures) - LIST_ITEMS)},
+    levels = sum(len(r.levels) for r in aggregate.runs)
+    return {**ctx, "digest": {"runs": runs, "levels": levels, "full": FULL,
+                              "more_failures": max(0, len(failures) - LIST_ITEMS)},
             "verdicts": verdicts, "findings": findings, "scenarios": scenarios, "setup": setup, "planner": planner,
             "quality": quality, "cards": _cards(interpretation(aggregate)["kv_cards"], ranking),
             "warnings": _first(ctx["warnings"], "stability warnings"), "failures": failures[:LIST_ITEMS]}

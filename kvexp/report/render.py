@@ -2,6 +2,10 @@
 
     render_report(aggregate, out_dir) -> {"md": .., "html": .., "pdf": .., "json": .., "csv": .., "charts": ..}
 
+The charts are drawn by worker processes (charts.start_views) while the rest is made and comparison.json
+and comparison.csv are written; a large report (is_large) charts each scenario's best runs and lays out
+a digest as its PDF, naming where the full tables are.
+
 Every number is formatted once, by the views (setup_view, scenario_view, planner_view, quality_view, with
 kvexp.metrics.registry's formats), into plain-string tables (tables.Table); the Markdown and the HTML
 templates lay out the same strings, so both show the same figures. The HTML is autoescaped (labels and
@@ -124,10 +128,17 @@ def build_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
     return ctx
 
 
+# A report of more levels than this (every level is a row of three tables) lays out for minutes as a
+# PDF of every row: its PDF is a digest.
+DIGEST_LEVELS = 500
+
+
 def is_large(aggregate: Aggregate) -> bool:
-    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS): its charts
-    show the best runs, its Markdown links them as SVG files and its PDF is a summary (report/digest.py)."""
-    return any(len(runs) > CHART_RUNS for _, runs in aggregate.scenarios())
+    """A report with a scenario of more runs than its charts show (scenario_view.CHART_RUNS) or of more
+    than DIGEST_LEVELS levels: its Markdown links the charts as SVG files (the HTML's drawing) and its
+    PDF is a digest (report/digest.py); a large scenario's charts show its best runs."""
+    levels = sum(len(r.levels) for r in aggregate.runs)
+    return levels > DIGEST_LEVELS or any(len(runs) > CHART_RUNS for _, runs in aggregate.scenarios())
 
 
 def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Optional[Path] = None,
@@ -148,39 +159,43 @@ def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
     scenarios = scenario_views(aggregate, colours, warnings, chart_png, chart_svg, svg_files)
     quality = quality_view(aggregate, colours, chart_png, chart_svg, svg_files)
     drawing = C.start_views([*scenarios, quality])  # every chart at once, while the rest is made
-    said = interpretation(aggregate)  # computed once, by collect, for an aggregate it made
-    findings = F.compute_findings(replace(aggregate, kv_cards=said["kv_cards"]))
-    groups = []
-    checks = recompute.check_document(aggregate)
-    if checks:
-        groups.append({"name": "Planner predictions, recomputed by kvexp",
-                       "sentences": [c.sentence for c in sorted(checks, key=lambda c: c.agrees is not False)]})
-    for name, kinds in _FINDING_GROUPS:
-        items = [f.sentence for f in findings if f.kind in kinds]
-        if items:
-            groups.append({"name": name, "sentences": items})
-    failures = [{"label": r.label, "status": r.state, "scenario": str(r.scenario),
-                 "reason": _tail(r.status_reason) or "no reason recorded"}
-                for r in runs if r.state in ("failed", "partial", "skipped")]
-    ctx = {
-        "verdicts": said["verdicts"],
-        "skipped": skipped_runs(runs),
-        "recommendations": [r["sentence"] for r in said["recommendations"]],
-        "title": title or aggregate.title or default_title(aggregate),
-        "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "kvexp_version": aggregate.kvexp_version or (aggregate.environment or {}).get("kvexp_version"),
-        "findings": groups,
-        "setup": setup_view(aggregate),
-        "scenarios": scenarios,
-        "planner": planner_view(aggregate),
-        "quality": quality,
-        "cards": card_view(Aggregate(kv_cards=said["kv_cards"])),
-        "warnings": [w.message for w in warnings],
-        "failures": failures,
-        "not_exposed": registry.NOT_EXPOSED,
-        "not_recorded": registry.NOT_RECORDED,
-        "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
-    }
+    try:  # (a failure here stops the drawing, as render_report's does)
+        said = interpretation(aggregate)  # computed once, by collect, for an aggregate it made
+        findings = F.compute_findings(replace(aggregate, kv_cards=said["kv_cards"]))
+        groups = []
+        checks = recompute.check_document(aggregate)
+        if checks:
+            groups.append({"name": "Planner predictions, recomputed by kvexp",
+                           "sentences": [c.sentence for c in sorted(checks, key=lambda c: c.agrees is not False)]})
+        for name, kinds in _FINDING_GROUPS:
+            items = [f.sentence for f in findings if f.kind in kinds]
+            if items:
+                groups.append({"name": name, "sentences": items})
+        failures = [{"label": r.label, "status": r.state, "scenario": str(r.scenario),
+                     "reason": _tail(r.status_reason) or "no reason recorded"}
+                    for r in runs if r.state in ("failed", "partial", "skipped")]
+        ctx = {
+            "verdicts": said["verdicts"],
+            "skipped": skipped_runs(runs),
+            "recommendations": [r["sentence"] for r in said["recommendations"]],
+            "title": title or aggregate.title or default_title(aggregate),
+            "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "kvexp_version": aggregate.kvexp_version or (aggregate.environment or {}).get("kvexp_version"),
+            "findings": groups,
+            "setup": setup_view(aggregate),
+            "scenarios": scenarios,
+            "planner": planner_view(aggregate),
+            "quality": quality,
+            "cards": card_view(Aggregate(kv_cards=said["kv_cards"])),
+            "warnings": [w.message for w in warnings],
+            "failures": failures,
+            "not_exposed": registry.NOT_EXPOSED,
+            "not_recorded": registry.NOT_RECORDED,
+            "digest": None,  # the PDF of a large report: digest.digest's summary of the rest
+        }
+    except BaseException:
+        drawing(True)
+        raise
 
     def finish(abandon: bool = False) -> None:
         drawing(abandon)
@@ -196,10 +211,11 @@ def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
 
 def render_report(aggregate: Aggregate, out_dir: Path, title: Optional[str] = None,
                   formats: Iterable[str] = FORMATS, validated: bool = False) -> dict[str, Path]:
-    """Write report.md (+ charts/*.png), report.html (inline SVG), report.pdf, comparison.json and
-    comparison.csv into out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what
-    was written; a skipped PDF leaves a one-line message in the result's `problems`. validated: the
-    aggregate is one collect just made (and checked against the schema), so it is not checked again."""
+    """Write report.md (+ charts/*.png; *.svg in a large report), report.html (inline SVG), report.pdf (a
+    digest in a large report: is_large, report/digest.py), comparison.json and comparison.csv into
+    out_dir. Returns {"md", "html", "pdf", "json", "csv", "charts"} -> Path for what was written; a
+    skipped PDF leaves a one-line message in the result's `problems`. validated: the aggregate is one
+    collect just made (and checked against the schema), so it is not checked again."""
     formats = tuple(formats)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:

@@ -18,7 +18,7 @@ from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
 from kvexp.results.runs import Aggregate, Run
 from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
-                                 numeric, uniq)
+                                 level_cells, numeric, uniq)
 
 
 # A scenario of more runs than this charts its best ones only (recommend.ranked): a chart of a hundred lines
@@ -52,8 +52,9 @@ def _level_tables(runs: list[Run], warn_codes: dict[tuple[int, int], list[str]],
 
     def columns(keys: tuple[str, ...], keep: set[str]) -> list[tuple[str, list[str]]]:
         out = []
+        pairs = [(r, lv) for r, _, lv in rows]
         for k in keys:
-            cells = [level_cell(r, lv, k) for r, _, lv in rows]
+            cells = level_cells(pairs, k)
             if k in keep or any(cell != registry.UNKNOWN for cell in cells):
                 out.append((k, cells))
         return out

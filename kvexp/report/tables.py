@@ -9,7 +9,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from markupsafe import Markup, escape
 
@@ -139,14 +139,16 @@ ALWAYS = frozenset({"concurrency", "requests", "errors", "throughput_tok_s", "tt
 _REPEAT_KEYS = {"repeats": "n", "cv": "cv", "throughput_ci95": "ci95"}  # read from the level's repeat summary
 
 
-def level_cell(run: Run, level: Level, key: str) -> str:
-    """One level value as a table cell (registry.format_value); a null one by registry.missing_text."""
+def level_cell(run: Run, level: Level, key: str, exposes: Optional[Callable[[Run], bool]] = None) -> str:
+    """One level value as a table cell (registry.format_value); a null one by registry.missing_text.
+    exposes: Run.exposes for this key, where a caller holds it once per run (level_cells)."""
     repeat = key in _REPEAT_KEYS
     failed = level.failed or run.state in ("failed", "skipped")
+    value = FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else level.value(key)
     # whether another level has the figure matters only where this one has none (missing_text)
-    exposed = True if not repeat and level.value(key) is not None else run.exposes(key)
+    exposed = True if value is not None else (exposes(run) if exposes else run.exposes(key))
     return registry.level_text(level, key, failed=failed, exposed=exposed, foreign=bool(run.tool),
-                               value=FL.repeat_stats(level)[_REPEAT_KEYS[key]] if repeat else None, plain=repeat)
+                               value=value if repeat else None, plain=repeat)
 
 
 def level_name(level: Level) -> str:
@@ -177,6 +179,18 @@ def peak_table(runs: list[Run], names: dict[str, str], first: str = "job") -> Ta
     head = [first, "configuration", "status", "peak tok/s", "at", "TTFT p95 (ms)", "TPOT p50 (ms)", "KV B/token"]
     head += ["SLO"] if slos else []
     return Table(head, rows, [False] * 3 + [True] * 5 + [False] * slos)
+
+
+def level_cells(rows: list[tuple[Run, Level]], key: str) -> list[str]:
+    """level_cell of each (run, level) of a column, with whether a run's levels have the figure (it matters
+    only to a missing one) read once per run, not once per cell."""
+    exposed: dict[int, bool] = {}
+
+    def exposes(run: Run) -> bool:
+        if id(run) not in exposed:
+            exposed[id(run)] = run.exposes(key)
+        return exposed[id(run)]
+    return [level_cell(r, lv, key, exposes) for r, lv in rows]
 
 
 def tool_name(run: Run) -> str:

@@ -6,13 +6,16 @@ requests are kept."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
 import socket
 import sys
+import threading
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import aiohttp
 
@@ -156,6 +159,32 @@ def load_any(path: Path) -> tuple[str, Any]:
     if found.errors:
         raise _refuse(found.errors)
     return found.kind, found.doc
+
+
+PARALLEL_MIN_FILES = 64  # below this many, one process reads them sooner than a pool starts
+MAX_READERS = 4
+
+
+def load_all(paths: list[Path]) -> Iterator[tuple[Path, str, Any]]:
+    """(path, kind, document) of each file, in order, as load_any reads and checks it (its ResultError
+    raised when its turn comes). Many files are read by worker processes, one per CPU (parsing and
+    checking a thousand results is seconds of one core); a few, one CPU, or a process that holds other
+    threads (fork is then unsafe, and a worker that imports kvexp afresh costs more than it saves) reads
+    them itself."""
+    workers = min(machine.usable_cpus(), MAX_READERS)
+    done = 0
+    if workers > 1 and len(paths) >= PARALLEL_MIN_FILES and threading.active_count() == 1 \
+            and "fork" in multiprocessing.get_all_start_methods():
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                for path, found in zip(paths, pool.map(load_any, paths, chunksize=16)):
+                    yield (path, *found)
+                    done += 1
+            return
+        except BrokenExecutor:  # (a worker died: the rest are read here)
+            pass
+    for path in paths[done:]:
+        yield (path, *load_any(path))
 
 
 def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:

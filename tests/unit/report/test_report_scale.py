@@ -6,7 +6,9 @@ and makes its PDF a digest that says where the full tables are."""
 
 from __future__ import annotations
 
+import cProfile
 import importlib.util
+import pstats
 from html import unescape
 import resource
 import shutil
@@ -18,7 +20,7 @@ from conftest import ROOT
 
 from kvexp.analysis.aggregate import collect
 from kvexp.analysis.recommend import ranked
-from kvexp.report import pdf, render
+from kvexp.report import charts, pdf, render
 from kvexp.report.digest import LIST_ITEMS, digest
 from kvexp.report.render import render_report
 from kvexp.report.scenario_view import CHART_RUNS
@@ -124,5 +126,40 @@ def test_a_large_sweeps_pdf_says_where_the_full_tables_are(tmp_path):
     files = render_report(collect([sweep]), tmp_path / "report", formats=("pdf",), validated=True)
     text = " ".join(subprocess.run([PDFTOTEXT, str(files["pdf"]), "-"], check=True, capture_output=True,
                                    text=True, timeout=120).stdout.split())
-    assert "This PDF summarises a sweep of 24 runs" in text
+    assert "This PDF summarises 24 runs of " in text
     assert "The full tables are in comparison.csv (every run and level) and report.html, beside this file." in text
+
+
+def _one_run(folder: Path, levels: int) -> Path:
+    """A job of `levels` concurrency levels (1, 2, ... levels), from the sweep's first real result."""
+    gen = _sweep_module()
+    res, _ = gen.job(gen._templates(), 0)
+    base = gen._templates()[0]["levels"][0]
+    rng = gen.random.Random(levels)
+    res["levels"] = [gen._scaled(base, c, 8, 32, 16, rng, 1.0) for c in range(1, levels + 1)]
+    res["config"]["scenario"]["concurrency"] = list(range(1, levels + 1))
+    res["config_hash"] = gen.config_hash(res["config"])
+    (folder / "job").mkdir(parents=True)
+    (folder / "job" / "result.json").write_text(gen.json.dumps(res))
+    return folder
+
+
+def _calls(folder: Path, out: Path) -> int:
+    """Python function calls (cProfile's count: deterministic, unlike a time) of a report, charts included."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        render_report(collect([folder]), out, formats=("md", "html"), validated=True)
+    finally:
+        profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+def test_work_per_level_does_not_grow_with_a_runs_levels(tmp_path, monkeypatch):
+    """One result of 1,024 levels took minutes: a figure's exposure was looked up over every level of the
+    run for every cell (quadratic), and every point of a chart carried a label. Counted in function calls,
+    the work per level of a run of 1,024 levels stays under twice that of a run of 64."""
+    monkeypatch.setattr(charts, "PARALLEL_MIN_CHARTS", 1 << 30)  # drawn here, where they are counted
+    small, large = _one_run(tmp_path / "64", 64), _one_run(tmp_path / "1024", 1024)
+    per_level = {n: _calls(folder, tmp_path / f"r{n}") / n for n, folder in ((64, small), (1024, large))}
+    assert per_level[1024] < 2 * per_level[64], per_level
