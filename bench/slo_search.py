@@ -35,12 +35,12 @@ def one_round(binary: Path, slo_ms: float, out: Path, pool: ServerPool) -> dict:
     found = run_job(compose([*base, "label=search", "scenario.search=concurrency",
                              "scenario.search_min_growth=null"]), out / "search", pool=pool)
     obj = search.Objectives("concurrency", slo_ms, None)
-    probes = [search.evaluate(lv["concurrency"], [lv], obj) for lv in grid["levels"]]
-    return {"grid_answer": search.grid_answer(probes), "grid_levels": len(grid["levels"]),
-            "grid_measure_s": grid["timing"]["measure_s"],
-            "search_answer": found["search"]["answer"], "search_levels": len(found["levels"]),
-            "search_order": [p["x"] for p in found["search"]["probed"]],
-            "search_stop": found["search"]["stop_reason"], "search_measure_s": found["timing"]["measure_s"]}
+    probes = [search.evaluate(lv.concurrency, [lv], obj) for lv in grid.levels]
+    return {"grid_answer": search.grid_answer(probes), "grid_levels": len(grid.levels),
+            "grid_measure_s": grid.timing["measure_s"],
+            "search_answer": found.search["answer"], "search_levels": len(found.levels),
+            "search_order": [p["x"] for p in found.search["probed"]],
+            "search_stop": found.search["stop_reason"], "search_measure_s": found.timing["measure_s"]}
 
 
 def main() -> int:

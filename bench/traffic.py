@@ -33,7 +33,7 @@ def trace_round(binary: Path, scales: list[float], out: Path, pool: ServerPool) 
     rows = []
     for scale in scales:
         res = run_job(compose(["scenario=trace", f"scenario.time_scale={scale}", f"backend.binary={binary}"]),
-                      out / f"trace-{scale}", pool=pool)
+                      out / f"trace-{scale}", pool=pool).to_json()
         (lv,) = res["levels"]
         rows.append({"time_scale": scale, "rate": lv["rate"], "errors": lv["errors"],
                      **{f"arrival_{k}_ms": v for k, v in lv["workload"]["arrival_error_ms"].items()},
@@ -47,7 +47,7 @@ def open_round(binary: Path, out: Path, pool: ServerPool, placement: str) -> dic
     res = run_job(compose(["model=tiny", "scenario=smoke", "scenario.concurrency=[]", "scenario.rates=[20.0]",
                            "scenario.arrival=poisson", "scenario.requests=60", "backend.parallel=16",
                            "client.workers=1", f"client.placement={placement}", f"backend.binary={binary}"]),
-                  out, pool=pool)
+                  out, pool=pool).to_json()
     (lv,) = res["levels"]
     return {"placement": placement, **{k: lv[k] for k in (
         "scheduled_rate", "achieved_rate", "client_queue_p50_ms", "client_queue_p99_ms", "loop_lag_p99_ms", "errors")}}
@@ -74,7 +74,8 @@ def spin_round() -> dict:
 
 
 def prefix_round(binary: Path, out: Path, pool: ServerPool) -> list[dict]:
-    runs = {name: run_job(compose(["scenario=prefix", f"backend.binary={binary}", *extra]), out / name, pool=pool)
+    runs = {name: run_job(compose(["scenario=prefix", f"backend.binary={binary}", *extra]), out / name,
+                          pool=pool).to_json()
             for name, extra in (("shared", []), ("unique", ["scenario.prefix_tokens=0"]))}
     return [{"concurrency": s["concurrency"], "ttft_p50_ms_shared": s["ttft_p50_ms"],
              "ttft_p50_ms_unique": u["ttft_p50_ms"], "hit_rate_shared": s["prefix_cache"]["hit_rate"],

@@ -83,14 +83,15 @@ def _failed(ret: JobReturn, job: Any) -> str:
 def _record(folder: Path, why: str) -> str | None:
     """Say in the job's result.json why it ended, unless it says complete or skipped; the job's label
     (None when the job left no readable result)."""
-    from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json  # kvexp only on a failure
+    from kvexp.results.documents import JobResult  # kvexp only on a failure
+    from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
     try:
-        _, doc = load_document(folder / RESULT_FILE)
-        if doc["status"] not in ("complete", "skipped"):
-            doc.update(status="failed", status_reason=why)
-            write_json(folder / RESULT_FILE, doc, "result")
-        return str(doc["label"])
+        job = JobResult.from_json(load_document(folder / RESULT_FILE)[1])
+        if job.status not in ("complete", "skipped"):
+            job.update(status="failed", status_reason=why)
+            write_json(folder / RESULT_FILE, job.to_json(), "result")
+        return str(job.label)
     except (ResultError, OSError):
         return None
 
@@ -109,13 +110,14 @@ def _finished(cfg: Any, folder: Path) -> bool:
     """Whether a resumed sweep's job is finished in its folder (complete or skipped, of the same spec):
     it is not submitted again, where it would wait in the queue for a GPU only to read its result."""
     from kvexp.app.preflight import is_finished
+    from kvexp.results.documents import JobResult
     from kvexp.results.store import RESULT_FILE, ResultError, load_document
 
     try:
         _, doc = load_document(folder / RESULT_FILE)
     except (ResultError, OSError):
         return False
-    return is_finished(doc, _experiment(cfg, folder))
+    return is_finished(JobResult.from_json(doc), _experiment(cfg, folder))
 
 
 def _unrun(cfg: Any, folder: Path, why: str) -> str:
@@ -127,7 +129,7 @@ def _unrun(cfg: Any, folder: Path, why: str) -> str:
 
     if (folder / RESULT_FILE).exists():
         return folder.name
-    return str(unrun_result(_experiment(cfg, folder), folder, why, status="failed")["label"])
+    return str(unrun_result(_experiment(cfg, folder), folder, why, status="failed").label)
 
 
 if SlurmLauncher is not None:

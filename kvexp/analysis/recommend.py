@@ -89,7 +89,7 @@ def capacity(run: Run, slo: SLO) -> dict[str, Any]:
     kind = _kind(run)
     obj = search.Objectives(kind, slo.slo_ttft_ms, slo.slo_tpot_ms, slo.percentile)
     by_x = _levels_by_x(run, kind)
-    probes = [search.evaluate(x, [lv.to_json() for lv in lvs], obj) for x, lvs in sorted(by_x.items())]
+    probes = [search.evaluate(x, lvs, obj) for x, lvs in sorted(by_x.items())]
     cap = run.search.get("answer") if run.search and run.objectives == slo else search.grid_answer(probes)
     level = run.level_at((kind, cap)) if cap is not None else None
     miss = miss_at = miss_what = None

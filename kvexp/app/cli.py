@@ -20,7 +20,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvexp.app import stdout
 from kvexp.app.compose import (backend_only_keys, check, compose_all, default_folder, drop_backend_only,
@@ -30,6 +30,9 @@ from kvexp.app.interrupts import interrupted
 from kvexp.app.resume import finish_report, finished, resumable, resume_args
 from kvexp.core.config import ConfigError, KVConfig, job_label
 from kvexp.core.paths import data_dir
+
+if TYPE_CHECKING:
+    from kvexp.metrics.levels import Level
 
 log = logging.getLogger("kvexp")
 
@@ -162,7 +165,6 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
 
     from kvexp.measure.runner import run_job, unrun_result
     from kvexp.report.summary import write_job_summary
-    from kvexp.results.documents import JobResult
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg = drop_backend_only(to_experiment(node), sweep.backend_only)
@@ -179,7 +181,7 @@ def _task(node: Any, sweep: _Sweep, kvs: dict[str, KVConfig]) -> None:
 
             observer = make_observer(label, LogObserver(label), cfg.scenario.repeats)  # live display on a terminal
             result = run_job(cfg, out_dir, observer, sweep.pool, in_sweep=sweep.multirun)
-        write_job_summary(job := JobResult.from_json(result), out_dir)
+        write_job_summary(job := result, out_dir)
         log.info("%s: %s -> %s", label, job.status, out_dir / "result.json")
         if not sweep.multirun:
             _single_report(out_dir)
@@ -228,14 +230,14 @@ class LogObserver:
     def request_done(self, record: Any) -> None:
         pass
 
-    def level_done(self, level: float, s: dict[str, Any]) -> None:
+    def level_done(self, level: float, s: Level) -> None:
         from kvexp.metrics.registry import UNKNOWN, format_value
 
-        fig = {k: UNKNOWN if s[k] is None else format_value(k, s[k]) for k in ("throughput_tok_s", "ttft_p50_ms",
-                                                                               "tpot_p50_ms")}
+        fig = {k: UNKNOWN if s.value(k) is None else format_value(k, s.value(k))
+               for k in ("throughput_tok_s", "ttft_p50_ms", "tpot_p50_ms")}
         log.info("%s: level %g: %s tok/s, TTFT p50 %s ms, TPOT p50 %s ms, errors %d/%d%s", self.label, level,
-                 fig["throughput_tok_s"], fig["ttft_p50_ms"], fig["tpot_p50_ms"], s["errors"], s["requests"],
-                 "" if s["status"] == "ok" else " (FAILED)")
+                 fig["throughput_tok_s"], fig["ttft_p50_ms"], fig["tpot_p50_ms"], s.errors, s.requests,
+                 "" if s.status == "ok" else " (FAILED)")
 
 
 try:

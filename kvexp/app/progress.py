@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import atexit
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from kvexp.metrics.levels import Level
 
 REFRESH_PER_SECOND = 4
 
@@ -72,16 +75,16 @@ class LiveProgress:
             self.live.stop()
             self.live = None
 
-    def level_done(self, level: float, s: dict[str, Any]) -> None:
+    def level_done(self, level: float, s: Level) -> None:
         self.close()
-        failed = s.get("status") != "ok"
+        failed = s.status != "ok"
         line = Text.assemble(
             (f"{self.label}", "bold"), f"  {self._level_name()}: ",
-            (f"{s.get('throughput_tok_s')} tok/s", "cyan"),
-            f", TTFT p50 {s.get('ttft_p50_ms')} ms, TPOT p50 {s.get('tpot_p50_ms')} ms, ",
-            (f"errors {s.get('errors')}/{s.get('requests')}", "red" if s.get("errors") else ""),
+            (f"{s.throughput_tok_s} tok/s", "cyan"),
+            f", TTFT p50 {s.ttft_p50_ms} ms, TPOT p50 {s.tpot_p50_ms} ms, ",
+            (f"errors {s.errors}/{s.requests}", "red" if s.errors else ""),
             (" FAILED", "bold red") if failed else "",
-            (" (client-limited)", "yellow") if s.get("client_limited") else "",
+            (" (client-limited)", "yellow") if s.client_limited else "",
         )
         self.console.print(line)
 

@@ -17,6 +17,7 @@ from asyncio_throttle import Throttler
 
 from kvexp.backends.base import Request, StreamEvent, connector
 from kvexp.core import __version__, machine
+from kvexp.metrics.levels import Level
 from kvexp.metrics.records import RequestRecord
 
 try:
@@ -44,7 +45,7 @@ class Observer(Protocol):
 
     def level_started(self, level: float, total: int, repeat: int) -> None: ...
     def request_done(self, record: RequestRecord) -> None: ...
-    def level_done(self, level: float, summary: dict[str, Any]) -> None: ...
+    def level_done(self, level: float, summary: Level) -> None: ...
 
 
 def connection_error(e: BaseException) -> str:
@@ -60,7 +61,7 @@ def connection_error(e: BaseException) -> str:
 class NullObserver:
     def level_started(self, level: float, total: int, repeat: int) -> None: pass
     def request_done(self, record: RequestRecord) -> None: pass
-    def level_done(self, level: float, summary: dict[str, Any]) -> None: pass
+    def level_done(self, level: float, summary: Level) -> None: pass
 
 
 # the request being sent on this task: TimedRequest appends the perf_counter time it went out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,11 +32,11 @@ from kvexp.measure.telemetry import TelemetrySampler
 from kvexp.measure.traffic import Traffic
 from kvexp.measure.watch import ServerHung, ServerWatch, hung_level_run, process_tree_writes, raise_if_hung
 from kvexp.metrics import search, stats
-from kvexp.metrics.levels import Level, kv_peak, level_warnings, level_x, workload_warnings
+from kvexp.metrics.levels import Level, kv_peak, level_warnings, workload_warnings
 from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
 from kvexp.quality.inputs import check_inputs
-from kvexp.results.documents import JobResult
+from kvexp.results.documents import BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.results.validate import SCHEMA_VERSION
@@ -52,8 +52,8 @@ POLL_INTERVAL_S = 0.2
 class Job:
     cfg: ExperimentConfig
     out_dir: Path
-    result: dict[str, Any] = field(default_factory=dict)
-    kept: dict[float, list[dict[str, Any]]] = field(default_factory=dict)  # level value -> entries (resume)
+    result: JobResult = field(default_factory=JobResult)
+    kept: dict[float, list[Level]] = field(default_factory=dict)  # level value -> its repeats kept (resume)
 
     @property
     def result_path(self) -> Path:
@@ -70,57 +70,43 @@ class Job:
         return [("rate", r) for r in s.rates] if s.rates else [("concurrency", c) for c in s.concurrency]
 
     def save(self) -> None:
-        write_json(self.result_path, self.result, "result")
+        write_json(self.result_path, self.result.to_json(), "result")
 
-    def add_level(self, level: dict[str, Any]) -> None:
+    def add_level(self, level: Level) -> None:
         """Record a measured level in the plan's order (a resumed job mixes kept and new ones) and save."""
         repeats = range(self.cfg.scenario.repeats)
         order = {key: i for i, key in enumerate((v, r) for _, v in self.plan for r in repeats)}
-        levels = self.result["levels"]
+        levels = self.result.levels
         levels.append(level)
-        levels.sort(key=lambda lv: order.get((level_x(lv)[1], lv["repeat"]), len(order)))
+        levels.sort(key=lambda lv: order.get((lv.x[1] if lv.x else None, lv.repeat), len(order)))
         self.save()
 
 
-def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> dict[str, Any]:
+def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> JobResult:
     """A job's result before anything is measured (backend None: a job that was not run)."""
     plain = spec_of(cfg)
     gi = gpu_info(cfg.gpu.index)
     s = cfg.scenario
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "kvexp.job",
-        "kvexp_version": environment()["kvexp_version"],
-        "label": job_label(cfg),
-        "status": "partial",
-        "status_reason": "unfinished: the job was running when this was written",
-        "started_at": utc_now(),
-        "finished_at": None,
-        "backend": {"name": cfg.backend.name, "version": None, "launch_command": None, "endpoint": None,
-                    "reused_server": False, "ready_s": None, "server_log": None},
-        "model": {"name": cfg.model.name, "path": backend.model_path if backend else None},
-        "kv": {"requested": cfg.kv.name, "backend_dtype": cfg.kv.per_backend.get(cfg.backend.name, "?"),
-               "bytes_per_element": backend.spec.kv_bytes_per_element if backend else None},
-        "server": backend.spec.to_json() if backend else None,
-        "kv_cache": {"dtype": None, "blocks": None, "block_size": None, "gpu_memory_utilization": None},
-        "scenario": {"name": s.name, "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens,
-                     "mode": "open" if s.rates or s.trace else "closed",
-                     "variable_length": bool(backend) and not backend.capabilities.forces_output_length,
-                     "api": s.api},
-        "gpu": {"name": cfg.gpu.name or gi.name, "memory_gib": cfg.gpu.memory_gib or gi.memory_gib,
-                "driver": gi.driver},
-        "environment": environment({"event_loop": type(asyncio.get_event_loop_policy()).__name__}),
-        "config": plain,
-        "config_hash": config_hash(plain),
-        "planner": None,
-        "timing": {},
-        "requests_file": REQUESTS_FILE,
-        "levels": [],
-    }
+    return JobResult(
+        schema_version=SCHEMA_VERSION, kind="kvexp.job", kvexp_version=environment()["kvexp_version"],
+        label=job_label(cfg), status="partial", status_reason="unfinished: the job was running when this was written",
+        started_at=utc_now(),
+        backend=BackendInfo(name=cfg.backend.name, reused_server=False),
+        model=ModelInfo(name=cfg.model.name, path=backend.model_path if backend else None),
+        kv=KVAsked(requested=cfg.kv.name, backend_dtype=cfg.kv.per_backend.get(cfg.backend.name, "?"),
+                   bytes_per_element=backend.spec.kv_bytes_per_element if backend else None),
+        server=backend.spec.to_json() if backend else None,
+        scenario=ScenarioInfo(name=s.name, prompt_tokens=s.prompt_tokens, max_tokens=s.max_tokens,
+                              mode="open" if s.rates or s.trace else "closed",
+                              variable_length=bool(backend) and not backend.capabilities.forces_output_length,
+                              api=s.api),
+        gpu=GPUInfo(name=cfg.gpu.name or gi.name, memory_gib=cfg.gpu.memory_gib or gi.memory_gib, driver=gi.driver),
+        environment=environment({"event_loop": type(asyncio.get_event_loop_policy()).__name__}),
+        config=plain, config_hash=config_hash(plain), timing={}, requests_file=REQUESTS_FILE)
 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
-            pool: Optional[ServerPool] = None, in_sweep: bool = False) -> dict[str, Any]:
+            pool: Optional[ServerPool] = None, in_sweep: bool = False) -> JobResult:
     """Run one job and return its result (also written to out_dir/result.json after every level).
 
     With cfg.resume, a result already in out_dir from the same spec keeps its finished levels and only
@@ -139,20 +125,21 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if unsupported:
         raise ConfigError(unsupported)
     job = Job(cfg, out_dir, new_result(cfg, backend))
-    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result.get("quality")):
+    if cfg.resume and _resume(job) and not quality.missing(cfg, job.result.quality):
         return job.result
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     res = job.result
+    timing, env = res.timing, res.environment  # (JSON blocks: their keys are this module's)
     log_path = out_dir / "server.log"
     server: Optional[Server] = None
     # the model's files are read here, once, before any server runs: nothing slow on the event loop
     # between a server's start and its last level (a pooled connection would go stale meanwhile)
     arch = _model_arch(backend)
     if arch is not None:
-        res["model"].update(modelinfo.weights_of(arch), architecture=modelinfo.architecture_of(arch))
-    field = backend.served_field(cfg.model)
-    res["model"]["origin"] = embedded.origin(getattr(cfg.model, field, None), field == "gguf")
+        res.model = replace(res.model, **modelinfo.weights_of(arch), architecture=modelinfo.architecture_of(arch))
+    served = backend.served_field(cfg.model)
+    res.model.origin = embedded.origin(getattr(cfg.model, served, None), served == "gguf")
     reserve = SpaceReserve(out_dir)  # a full disk mid-job still leaves room to record why it failed
     t0 = time.monotonic()
     try:
@@ -160,48 +147,48 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             check_inputs(cfg, arch)
         if cfg.backend.endpoint:
             backend.base_url = cfg.backend.endpoint.rstrip("/")
-            res["backend"]["endpoint"] = backend.base_url
+            res.backend.endpoint = backend.base_url
         else:
             server, reused = pool.acquire(backend, cfg, log_path)
             backend.base_url = server.base_url
-            res["backend"].update(endpoint=server.base_url, launch_command=server.launch_command,
-                                  env=server.process.env or None, reused_server=reused,
-                                  ready_s=round(server.ready_s, 3),
-                                  server_log=str(server.process.log_path))
-            res["timing"]["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
+            b = res.backend
+            b.endpoint, b.launch_command, b.env, b.reused_server = (
+                server.base_url, server.launch_command, server.process.env or None, reused)
+            b.ready_s, b.server_log = round(server.ready_s, 3), str(server.process.log_path)
+            timing["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
         server_pid = server.process.pid if server else None
-        res["environment"]["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
+        env["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
         job.save()
         with placement.client_side(backend.placement):  # the server on its CPUs, the client on the others
             asyncio.run(_measure(job, backend, server, observer, arch))
         seen = placement.tree_cpus(server_pid)  # after the levels: every process and thread the server started
         if seen is not None:
-            res["environment"]["placement"] = backend.placement.to_json(seen)
+            env["placement"] = backend.placement.to_json(seen)
         raise_if_interrupted()
         if quality.wanted(cfg):  # what the KV dtype costs in quality
-            res["quality"] = quality.measure(cfg, res, backend, out_dir)
-        failed = [lv for lv in res["levels"] if lv["status"] == "failed"]
-        res["status"] = "complete" if not failed else "partial"
-        res["status_reason"] = None
+            res.quality = quality.measure(cfg, res, backend, out_dir)
+        failed = [lv for lv in res.levels if lv.failed]
+        res.status = "complete" if not failed else "partial"
+        res.status_reason = None
         _learn(res)
         if failed:
-            res["status_reason"] = f"{len(failed)} level(s) failed: " + "; ".join(
-                lv.get("status_reason") or "" for lv in failed)
+            res.status_reason = f"{len(failed)} level(s) failed: " + "; ".join(lv.status_reason or "" for lv in failed)
     except BaseException as e:
-        res["status"] = "partial" if isinstance(e, KeyboardInterrupt) else "failed"
-        res["status_reason"] = _reason(e, server, len(res["levels"]))
+        res.status = "partial" if isinstance(e, KeyboardInterrupt) else "failed"
+        res.status_reason = _reason(e, server, len(res.levels))
         raise
     finally:
         if server is not None:  # the server's log (kept under log.max_mb), and what it dropped
-            res["backend"].update(server.process.log_figures())
+            for key, value in server.process.log_figures().items():  # (BackendInfo's server_log* fields)
+                setattr(res.backend, key, value)
         said = server.process.log_path if server is not None else log_path  # a reused server's is an earlier job's
-        if said.exists() and (res["status"] != "complete" or any(lv["errors"] for lv in res["levels"])):
-            res["backend"]["log_tail"] = tail(said, 20)
-        res["finished_at"] = utc_now()
-        res["timing"]["total_s"] = round(time.monotonic() - t0, 3)
+        if said.exists() and (res.status != "complete" or any(lv.errors for lv in res.levels)):
+            res.backend.log_tail = tail(said, 20)
+        res.finished_at = utc_now()
+        timing["total_s"] = round(time.monotonic() - t0, 3)
         reserve.release()
         job.save()
-        if server is not None and (own_pool or res["status"] != "complete"):
+        if server is not None and (own_pool or res.status != "complete"):
             pool.release()
     return res
 
@@ -210,20 +197,20 @@ def _resume(job: Job) -> bool:
     """Take up the result a previous run of this job left: keep its finished levels (and their lines
     of requests.jsonl). True when nothing is left to measure (job.result is then that result)."""
     res = job.result
-    prev = previous_result(job.result_path, res["config_hash"])
-    job.kept = finished_levels(prev["levels"], job.cfg.scenario.repeats) if prev else {}
+    prev = previous_result(job.result_path, res.config_hash or "")
+    job.kept = finished_levels(prev.levels, job.cfg.scenario.repeats) if prev else {}
     if prev and all(len(job.kept.get(v, [])) == job.cfg.scenario.repeats for _, v in job.plan):
-        if prev["status"] != "complete" and not quality.missing(job.cfg, prev.get("quality")):  # after its last level
-            prev.update(status="complete", status_reason=None)
-            write_json(job.result_path, prev, "result")
         job.result = prev
+        if prev.status != "complete" and not quality.missing(job.cfg, prev.quality):  # after its last level
+            prev.update(status="complete", status_reason=None)
+            job.save()
         return True
-    res["levels"] = [lv for _, v in job.plan for lv in job.kept.get(v, [])]
+    res.levels = [lv for _, v in job.plan for lv in job.kept.get(v, [])]
     if prev:
-        res["started_at"] = prev["started_at"]
-        res["resumed_at"] = [*prev.get("resumed_at", []), utc_now()]
-        log.info("%s: resuming: %d level(s) kept, the others are measured again", res["label"], len(res["levels"]))
-    keep_requests(job.out_dir / REQUESTS_FILE, {(level_x(lv)[1], lv["repeat"]) for lv in res["levels"]})
+        res.started_at = prev.started_at
+        res.resumed_at = [*(prev.resumed_at or []), utc_now()]
+        log.info("%s: resuming: %d level(s) kept, the others are measured again", res.label, len(res.levels))
+    keep_requests(job.out_dir / REQUESTS_FILE, {(lv.x[1], lv.repeat) for lv in res.levels if lv.x})
     return False
 
 
@@ -265,28 +252,28 @@ async def _check_attached(backend: Adapter, session: aiohttp.ClientSession) -> N
 async def _measure(job: Job, backend: Adapter, server: Optional[Server], observer: Optional[Observer],
                    arch: Optional[ModelArch]) -> None:
     cfg, res = job.cfg, job.result
+    timing = res.timing
     s = cfg.scenario
     max_conn = client_connections(s)
     headers = auth_headers(cfg)
     async with make_session(backend.base_url, max_conn, s.request_timeout_s, s.stall_timeout_s, headers) as session:
         if server is None:  # an attached server that does not answer ends the job before anything is read from it
             await _check_attached(backend, session)
-        res["backend"]["version"] = await backend.version(session)
+        res.backend.version = await backend.version(session)
         t = time.monotonic()
         if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
-            res["timing"]["model_load_s"] = round(time.monotonic() - t, 3)
-        loaded = await backend.loaded_models(session)
-        if loaded is not None:  # the server's own VRAM accounting (Ollama's /api/ps)
-            res["backend"]["loaded_models"] = loaded
+            timing["model_load_s"] = round(time.monotonic() - t, 3)
+        # the server's own VRAM accounting (Ollama's /api/ps)
+        res.backend.loaded_models = await backend.loaded_models(session)
         log_text = await _server_log(backend, server)
         kv = await backend.kv_cache(session, log_text)
-        _record_kv(res, kv)
+        res.kv_cache = _kv_block(kv)
         job.save()
         _check_kv(cfg, kv, backend)
-        res["planner"] = _planner_block(backend, res, arch, log_text)
+        res.planner = _planner_block(backend, res, arch, log_text)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s, job.out_dir)
-        res["workload"] = maker.describe()
+        res.workload = maker.describe()
         job.save()
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
         sampler.start()
@@ -298,10 +285,10 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                 warm = (await maker.level(s.warmup_requests, level=0, repeat=0, warmup=True)).requests
                 await lg.closed_loop(warm, min(s.warmup_requests, max(s.concurrency or [1])))
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
-            res["timing"]["warmup_s"] = round(time.monotonic() - tw, 3)
+            timing["warmup_s"] = round(time.monotonic() - tw, 3)
             tm = time.monotonic()
             obj = search.objectives(s)
-            searcher = search.Search(obj, search.scenario_grid(s), lambda: res["levels"]) if obj else None
+            searcher = search.Search(obj, search.scenario_grid(s), lambda: res.levels) if obj else None
             for kind, value in searcher or job.plan:
                 # the repeats an earlier run of this job finished are kept (resume)
                 for repeat in range(len(job.kept.get(value, [])), s.repeats):
@@ -310,21 +297,20 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     if server is None:
                         await _check_attached(backend, session)
                     log_at = server.process.log_mark() if server else None
-                    summary = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
-                                               repeat, observer)
-                    if summary["status"] == "ok" and (lost := backend.model_lost(_log_since(server, log_at))):
-                        summary.update(status="failed", status_reason=f"the server lost its model during this "
-                                       f"level: {lost}; its figures mix two loads")
-                    job.add_level(summary)
+                    level = await _run_level(job, backend, session, lg, maker, sampler, gauges, kind, value,
+                                             repeat, observer)
+                    if level.status == "ok" and (lost := backend.model_lost(_log_since(server, log_at))):
+                        level.status, level.status_reason = "failed", (f"the server lost its model during this "
+                                                                       f"level: {lost}; its figures mix two loads")
+                    job.add_level(level)
                     if observer:  # once it is saved: a signal after its line loses nothing the line showed
-                        observer.level_done(value, summary)
+                        observer.level_done(value, level)
                     _check_alive(server)  # a server that died says so, rather than that it stopped answering
-                    raise_if_hung(summary)
+                    raise_if_hung(level)
             _check_alive(server)
-            res["timing"]["measure_s"] = round(time.monotonic() - tm, 3)
+            timing["measure_s"] = round(time.monotonic() - tm, 3)
             if searcher is not None and searcher.step is not None:
-                res["search"] = search.result_block(searcher.step, obj, searcher.candidates,
-                                                    res["timing"]["measure_s"])
+                res.search = search.result_block(searcher.step, obj, searcher.candidates, timing["measure_s"])
         finally:
             sampler.stop()
             gauges.stop()
@@ -340,7 +326,7 @@ async def _sample(backend: Adapter, session: aiohttp.ClientSession) -> Any:
 
 async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession, lg: LoadGenerator,
                      maker: Traffic, sampler: MemorySampler, gauges: TelemetrySampler, kind: str,
-                     value: float, repeat: int, observer: Optional[Observer]) -> dict[str, Any]:
+                     value: float, repeat: int, observer: Optional[Observer]) -> Level:
     s, client = job.cfg.scenario, job.cfg.client
     work = await maker.level(s.requests, value, repeat)
     reqs = work.requests
@@ -427,24 +413,24 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         first = next((r.error for r in records if r.error), "")
         level.status_reason = f"{level.errors}/{level.requests} requests failed ({kinds}); first: {first}"[:500]
     if repeat == s.repeats - 1 and s.repeats > 1:  # the last repeat sums up the level's repeats (the ok ones)
-        ok = [lv for lv in job.result["levels"]
-              if lv.get(kind) == value and lv.get("repeat", 0) < repeat and lv.get("status") == "ok"]
-        level.repeats = stats.repeats_of([*ok, level.to_json()] if level.status == "ok" else ok)
+        ok = [lv for lv in job.result.levels
+              if lv.value(kind) == value and (lv.repeat or 0) < repeat and lv.status == "ok"]
+        level.repeats = stats.repeats_of([*ok, level] if level.status == "ok" else ok)
     level.workload = stats.workload_view(records, work.offsets_s is not None)
     level.prefix_cache = backend.prefix_cache(records, counters_before, counters_after)
     level.cache_reset = cache_reset
     level.turns = stats.turn_table(records, [backend.cached_tokens(r) for r in records]) if work.conversations else None
     done = [r for r in records if r.ok]
     level.warnings = level_warnings(level, done, backend.capabilities.forces_output_length,
-                                    limits, _predicted_usage(job.result.get("planner"), level.concurrency),
+                                    limits, _predicted_usage(job.result.planner, level.concurrency),
                                     _caps(s))
     level.warnings += workload_warnings(
-        scenario.reuses_cache(s), cache_reset, bool(job.result["levels"]) or s.warmup_requests > 0,
+        scenario.reuses_cache(s), cache_reset, bool(job.result.levels) or s.warmup_requests > 0,
         work.size - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
-    env = job.result["environment"]
+    env = job.result.environment
     env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
-    return level.to_json()
+    return level
 
 
 async def _reset_cache(backend: Adapter, session: aiohttp.ClientSession) -> dict[str, Any]:
@@ -483,13 +469,13 @@ def _gib(b: Optional[int]) -> Optional[float]:
     return None if b is None else round(b / GIB, 3)
 
 
-def _record_kv(res: dict[str, Any], kv: KVCacheInfo) -> None:
-    res["kv_cache"] = {
-        "dtype": kv.dtype, "blocks": kv.blocks, "block_size": kv.block_size,
-        "gpu_memory_utilization": kv.gpu_memory_utilization, "dtype_k": kv.dtype_k, "dtype_v": kv.dtype_v,
-        "capacity_tokens": kv.capacity_tokens, "window_tokens": kv.window_tokens, "bytes": kv.bytes, "max_concurrency": kv.max_concurrency,
-        "seqs": kv.seqs, "rotation_k": kv.rotation_k, "rotation_v": kv.rotation_v, "source": kv.source,
-    }
+def _kv_block(kv: KVCacheInfo) -> KVCache:
+    """The result's kv_cache: what the server reported of its KV cache."""
+    return KVCache(dtype=kv.dtype, blocks=kv.blocks, block_size=kv.block_size,
+                   gpu_memory_utilization=kv.gpu_memory_utilization, dtype_k=kv.dtype_k, dtype_v=kv.dtype_v,
+                   capacity_tokens=kv.capacity_tokens, window_tokens=kv.window_tokens, bytes=kv.bytes,
+                   max_concurrency=kv.max_concurrency, seqs=kv.seqs, source=kv.source,
+                   rotation_k=kv.rotation_k, rotation_v=kv.rotation_v)
 
 
 LOG_WAIT_S = 5.0  # how long the server's KV lines may trail its health probe's answer
@@ -538,33 +524,33 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
         return None
 
 
-def _planner_block(backend: Adapter, res: dict[str, Any], arch: Optional[ModelArch],
+def _planner_block(backend: Adapter, res: JobResult, arch: Optional[ModelArch],
                    log_text: str = "") -> Optional[dict[str, Any]]:
     """The planner's prediction for the server that was launched, beside what will be measured
     (None if it cannot plan); its log so far gives the buffers it allocated at start (a CPU's RSS)."""
     try:
-        return prediction.predict(backend.cfg, backend.spec, gpu_name=res["gpu"]["name"],
-                                  gpu_gib=res["gpu"]["memory_gib"], calibration=calibration.load(), arch=arch,
+        return prediction.predict(backend.cfg, backend.spec, gpu_name=res.gpu.name,
+                                  gpu_gib=res.gpu.memory_gib, calibration=calibration.load(), arch=arch,
                                   server_log=log_text or None)
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
-        log.warning("planner: no prediction for %s: %s", res["label"], e)
+        log.warning("planner: no prediction for %s: %s", res.label, e)
         return None
 
 
-def _learn(res: dict[str, Any]) -> None:
+def _learn(res: JobResult) -> None:
     """Feed a finished job's engine-reported capacity into the calibration file."""
     try:
-        calibration.update([JobResult.from_json(res)])
+        calibration.update([res])
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
-        log.warning("calibration: not updated from %s: %s", res["label"], e)
+        log.warning("calibration: not updated from %s: %s", res.label, e)
 
 
-def unrun_result(cfg: ExperimentConfig, out_dir: Path, reason: str, status: str = "skipped") -> dict[str, Any]:
+def unrun_result(cfg: ExperimentConfig, out_dir: Path, reason: str, status: str = "skipped") -> JobResult:
     """A job that was not run, recorded as such: "skipped" (an unsupported backend/KV pair, see
     config.skips_unsupported) or "failed" (its scheduler never started it: a Slurm job cancelled while
     it was pending; a resume runs it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job = Job(cfg, out_dir, new_result(cfg, None))
-    job.result.update(status=status, status_reason=reason, finished_at=utc_now())
+    job.result.status, job.result.status_reason, job.result.finished_at = status, reason, utc_now()
     job.save()
     return job.result

@@ -29,6 +29,7 @@ import psutil
 from kvexp.backends.base import BackendError, Request
 from kvexp.measure.client import LevelRun
 from kvexp.measure.eventloop import loop_name
+from kvexp.metrics.levels import Level
 from kvexp.metrics.records import RequestRecord
 
 T = TypeVar("T")
@@ -182,8 +183,8 @@ def hung_level_run(requests: list[tuple[Request, RequestRecord]], hung: ServerHu
                     cpu_util=[], cpu_s=0.0)
 
 
-def raise_if_hung(level: dict[str, Any]) -> None:
+def raise_if_hung(level: Level) -> None:
     """After a level is saved: a hung server ends the job (the runner then stops the server)."""
-    reason = level.get("status_reason") or ""
-    if level.get("status") == "failed" and reason.startswith(ServerHung.PREFIXES):
+    reason = level.status_reason or ""
+    if level.failed and reason.startswith(ServerHung.PREFIXES):
         raise ServerHung(reason)

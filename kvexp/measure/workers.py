@@ -29,6 +29,7 @@ from kvexp.core import machine
 from kvexp.measure.client import ClientOptions, LevelRun, Observer, Streamer, make_session, pre_encode, start_throttle
 from kvexp.measure.eventloop import (LoopLagMonitor, loop_name, new_runner, no_gc_pauses, running_loop_kind,
                                      worker_loop_kind)
+from kvexp.metrics.levels import Level
 from kvexp.metrics.records import RequestRecord
 
 STREAMS_PER_WORKER = 64  # workers=auto: one worker process per this many concurrent streams
@@ -286,7 +287,7 @@ class _Progress:
         self.pending: list[tuple[int, Optional[str], Optional[int], Optional[float]]] = []
 
     def level_started(self, level: float, total: int, repeat: int) -> None: pass
-    def level_done(self, level: float, summary: dict[str, Any]) -> None: pass
+    def level_done(self, level: float, summary: Level) -> None: pass
 
     def request_done(self, record: RequestRecord) -> None:
         self.pending.append((self.index[id(record)], record.error_kind, record.output_tokens, record.done_s))

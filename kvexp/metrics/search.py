@@ -23,7 +23,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from kvexp.metrics.levels import Level
 
 SEARCH_FACTOR = 2.0
 MIN_GROWTH = 0.05
@@ -100,17 +103,17 @@ def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
     return statistics.fmean(xs) if xs else None
 
 
-def evaluate(x: float, levels: Sequence[dict[str, Any]], obj: Objectives) -> Probe:
+def evaluate(x: float, levels: Sequence[Level], obj: Objectives) -> Probe:
     """A Probe from a level's entries (its repeats): percentiles averaged over the repeats."""
     p = obj.percentile
-    ttft = _mean([lv.get(f"ttft_{p}_ms") for lv in levels])
-    tpot = _mean([lv.get(f"tpot_{p}_ms") for lv in levels])
-    tput = _mean([lv.get("throughput_tok_s") for lv in levels])
-    pre = [lv.get("preemptions") for lv in levels if isinstance(lv.get("preemptions"), (int, float))]
-    requests = sum(int(lv.get("requests") or 0) for lv in levels)
-    errors = sum(int(lv.get("errors") or 0) for lv in levels)
+    ttft = _mean([lv.value(f"ttft_{p}_ms") for lv in levels])
+    tpot = _mean([lv.value(f"tpot_{p}_ms") for lv in levels])
+    tput = _mean([lv.throughput_tok_s for lv in levels])
+    pre = [lv.preemptions for lv in levels if isinstance(lv.preemptions, (int, float))]
+    requests = sum(int(lv.requests or 0) for lv in levels)
+    errors = sum(int(lv.errors or 0) for lv in levels)
     error_rate = errors / requests if requests else None
-    failed = any(lv.get("status") == "failed" for lv in levels)
+    failed = any(lv.failed for lv in levels)
     misses = []
     if obj.slo_ttft_ms is not None and (ttft is None or ttft > obj.slo_ttft_ms):
         misses.append("ttft")
@@ -221,10 +224,10 @@ class Search:
     def probes(self) -> list[Probe]:
         """The measured levels as probes, in the order measured (levels kept from an earlier run of
         the job first, by value)."""
-        by_x: dict[float, list[dict[str, Any]]] = {}
+        by_x: dict[float, list[Level]] = {}
         for lv in self.levels():
-            if lv.get(self.obj.kind) is not None:
-                by_x.setdefault(float(lv[self.obj.kind]), []).append(lv)
+            if lv.value(self.obj.kind) is not None:
+                by_x.setdefault(float(lv.value(self.obj.kind)), []).append(lv)
         order = sorted(x for x in by_x if x not in self.asked) + [x for x in self.asked if x in by_x]
         return [evaluate(x, by_x[x], self.obj) for x in order]
 

@@ -254,12 +254,13 @@ UNSTABLE_CV = 0.10
 REPEAT_FIGURES = registry.REPEATED
 
 
-def repeats_of(levels: Sequence[dict[str, Any]]) -> dict[str, dict[str, Optional[float]]]:
-    """The repeat summary of one level's repeats (their level entries): {figure: {mean, ci95, cv, n}}
+def repeats_of(levels: Sequence[Any]) -> dict[str, dict[str, Optional[float]]]:
+    """The repeat summary of one level's repeats (their levels.Level entries, which import this module):
+    {figure: {mean, ci95, cv, n}}
     for every figure of REPEAT_FIGURES that some repeat has; means and intervals rounded."""
     out = {}
     for key in REPEAT_FIGURES:
-        r = repeat_summary(lv.get(key) for lv in levels)
+        r = repeat_summary(lv.value(key) for lv in levels)
         if r is not None:
             out[key] = {k: (None if v is None else round(v, 4) if k == "cv" else v if k == "n" else round(v, 3))
                         for k, v in r.items()}

@@ -1,12 +1,15 @@
 """The planner's memory prediction for a run beside what was measured: on a GPU the peak GPU memory,
 on the CPU the peak resident set (RSS) of the server's processes (kvexp/capacity/cpumemory.py), each
-level's prediction against that level's peak. Pure: a run (a job's result or an aggregate's run) in, a
+level's prediction against that level's peak. Pure: a planner block and measured levels in, a
 MemoryCheck out."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
+
+from kvexp.metrics.levels import Level
+from kvexp.results.documents import JobResult
 
 MIB = 1 << 20
 
@@ -56,23 +59,27 @@ def _num(d: Mapping[str, Any], key: str) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def memory_check(run: Mapping[str, Any]) -> Optional[MemoryCheck]:
-    """The prediction in a run's planner block against its levels' measured peaks (None: no prediction)."""
-    plan = run.get("planner")
+def job_memory_check(job: JobResult) -> Optional[MemoryCheck]:
+    """memory_check of a job's result."""
+    return memory_check(job.planner, job.levels, bool(job.gpu.memory_gib or job.gpu.name))
+
+
+def memory_check(plan: Optional[Mapping[str, Any]], measured_levels: Sequence[Level],
+                 on_gpu: bool) -> Optional[MemoryCheck]:
+    """The prediction in a run's planner block against its levels' measured peaks (None: no prediction).
+    on_gpu: the run names a GPU (else its memory is the RSS of the server's processes)."""
     if not isinstance(plan, Mapping) or _num(plan, "predicted_peak_memory_gib") is None:
         return None
-    gpu = run.get("gpu")
-    on_gpu = (bool(gpu.get("memory_gib") or gpu.get("name")) if isinstance(gpu, Mapping)
-              else bool(gpu or run.get("gpu_gib")))
     gpu_planned = plan.get("memory_measure") is None and not on_gpu  # before the planner knew the CPU
     rss = plan.get("memory_measure") == "rss" or gpu_planned
     rows = {_num(r, "concurrency"): r for r in plan.get("levels") or [] if isinstance(r, Mapping)}
     levels = []
-    for lv in run.get("levels") or []:
-        if not isinstance(lv, Mapping) or lv.get("status") == "failed":
+    for lv in measured_levels:
+        if lv.failed:
             continue
-        x = _num(lv, "concurrency")
-        measured = _num(lv, "peak_rss_gib") if rss else (_num(lv, "peak_server_gpu_gib") or _num(lv, "peak_vram_gib"))
+        x = lv.number("concurrency")
+        measured = lv.number("peak_rss_gib") if rss else (lv.number("peak_server_gpu_gib")
+                                                          or lv.number("peak_vram_gib"))
         row = rows.get(x) or {}
         predicted = (_num(row, "predicted_rss_gib") if rss and not gpu_planned
                      else _num(plan, "predicted_peak_memory_gib"))

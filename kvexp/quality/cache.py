@@ -16,6 +16,7 @@ import yaml
 
 from kvexp.core.config import ExperimentConfig, KVConfig
 from kvexp.core.paths import atomic_write, cache_dir, data_dir, sha256_of
+from kvexp.results.documents import JobResult
 
 HASH_MEMO_BYTES = 64 << 20  # files this big have their hash remembered in the cache dir too
 _HASHES: dict[tuple, str] = {}
@@ -37,7 +38,7 @@ def quality_cache_dir() -> Path:
     return Path(os.environ.get("KVEXP_QUALITY_CACHE") or cache_dir() / "quality")
 
 
-def key_parts(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, text_sha: str, base_dtype: str,
+def key_parts(cfg: ExperimentConfig, res: JobResult, backend: Any, text_sha: str, base_dtype: str,
               perplexity: Optional[Path]) -> dict[str, Any]:
     """What the baseline's outputs depend on: backend, model file, server build, the numerics settings
     that apply to the baseline's KV dtype, the text and the measurement settings; for a backend whose
@@ -47,7 +48,7 @@ def key_parts(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, text_sha
     parts: dict[str, Any] = {
         "backend": backend.name, "model_sha256": model_sha256(backend.model_path),
         "model": backend.model_path,
-        "server_build": (res.get("backend") or {}).get("version"), "text_sha256": text_sha,
+        "server_build": res.backend.version, "text_sha256": text_sha,
         "settings": {k: getattr(q, k) for k in ("chunks", "prompts", "prompt_tokens", "max_tokens", "top_k",
                                                  "seed", "baseline")},
     }

@@ -29,6 +29,7 @@ from kvexp.core.config import ExperimentConfig
 from kvexp.quality import continuations, perplexity, prompt_logprobs, stats as qs
 from kvexp.quality.cache import baseline_kv, cache_key, key_parts, quality_cache_dir, write_json
 from kvexp.quality.job import QualityJob, teacher_forced_null
+from kvexp.results.documents import JobResult
 
 log = logging.getLogger("kvexp")
 
@@ -43,7 +44,7 @@ def missing(cfg: ExperimentConfig, block: Any) -> bool:
     return wanted(cfg) and not isinstance(block, dict)
 
 
-def measure(cfg: ExperimentConfig, res: dict[str, Any], backend: Any, out_dir: Path) -> dict[str, Any]:
+def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) -> dict[str, Any]:
     """The `quality` block of a job's result: teacher-forced drift per depth, greedy-continuation
     agreement, the baseline's determinism check; null figures where the backend cannot expose them,
     with the reason. The job's server must be running (backend.base_url)."""

@@ -164,8 +164,7 @@ def memory_view(agg: Aggregate) -> Optional[Table]:
     rows = []
     for _, sruns in agg.scenarios():
         for r in sruns:
-            c = memory_check({"planner": r.planner, "gpu": r.gpu, "gpu_gib": r.gpu_gib,
-                              "levels": [lv.to_json() for lv in r.levels]}) if r.planner else None
+            c = memory_check(r.planner, r.levels, bool(r.gpu or r.gpu_gib)) if r.planner else None
             if c is None:
                 continue
             err = c.error_pct

@@ -320,7 +320,7 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
         inp = p["inputs"]
         weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
-        check = memory.memory_check({"planner": p}) if rss else None
+        check = memory.memory_check(p, [], on_gpu=False) if rss else None
         if rss:
             parts = "—" if check is None else memory.parts_words(check)
             where = f"CPU (peak GiB: the RSS of the server's processes, {parts})"

@@ -2,9 +2,10 @@
 (`to_json`) here, read by attribute everywhere above results/. The JSON Schemas in schema/ stay the contract
 for the files; these classes are what the code holds.
 
-A document read from a file writes back the keys it was read with (`present`), so that an old file, or
-another tool's level, goes into an aggregate as it was; one built in code writes every field, null where
-unknown, but for the fields its schema does not let be null (NOT_NULL), which it leaves out while unknown.
+A document read from a file writes back the keys it was read with (`present`) and those set since by
+`update`, so that an old file, or another tool's level, goes into an aggregate as it was; one built in
+code writes every field, null where unknown, but for the fields its schema does not let be null
+(NOT_NULL), which it leaves out while unknown.
 A field a document lacks is None: unknown, never 0.
 
 This module holds the shared machinery and a job's result (result.json, `JobResult`); results/runs.py
@@ -38,8 +39,8 @@ def _out(v: Any) -> Any:
 
 class Doc:
     """What every document class shares: `from_json` (a JSON object in, its known keys read, nested blocks
-    made typed by NESTED) and `to_json` (the keys it was read with, or, built in code, every field but the
-    NOT_NULL ones that are unknown). Subclasses are dataclasses whose every field has a default and whose
+    made typed by NESTED) and `to_json` (the keys it was read with and those `update` set, or, built in
+    code, every field but the NOT_NULL ones that are unknown). Subclasses are dataclasses whose every field has a default and whose
     last field is `present`."""
 
     __slots__ = ()
@@ -57,6 +58,15 @@ class Doc:
                 v, conv = d[n], cls.NESTED.get(n)
                 kw[n] = conv(v) if conv is not None and v is not None else v
         return cls(**kw, present=frozenset(k for k in d if k in names))  # type: ignore[call-arg]
+
+    def update(self, **values: Any) -> None:
+        """Set fields, which to_json then writes (a document read from a file writes the keys it was read
+        with and these)."""
+        for n, v in values.items():
+            setattr(self, n, v)
+        present: Optional[frozenset[str]] = getattr(self, "present")
+        if present is not None:
+            setattr(self, "present", present | frozenset(values))
 
     def to_json(self) -> dict[str, Any]:
         present: Optional[frozenset[str]] = getattr(self, "present")
@@ -82,6 +92,7 @@ class KVCache(Doc):
     """The KV cache as the server reported it (result.json's and an aggregate run's `kv_cache`)."""
 
     REQUIRED: ClassVar[tuple[str, ...]] = ("dtype", "blocks", "block_size", "gpu_memory_utilization")
+    NOT_NULL: ClassVar[tuple[str, ...]] = ("source",)
 
     dtype: Optional[str] = None
     blocks: Optional[int] = None
@@ -196,6 +207,7 @@ class JobResult(Doc):
         "backend": BackendInfo.from_json, "model": ModelInfo.from_json, "kv": KVAsked.from_json,
         "kv_cache": KVCache.from_json, "scenario": ScenarioInfo.from_json, "gpu": GPUInfo.from_json,
         "levels": read_levels}
+    NOT_NULL: ClassVar[tuple[str, ...]] = ("resumed_at", "timing")
 
     schema_version: Optional[int] = None
     kind: Optional[str] = None

@@ -15,15 +15,16 @@ import threading
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import aiohttp
 
 from kvexp.core import __version__, machine
 from kvexp.core.config import to_plain
 from kvexp.core.paths import atomic_write
-from kvexp.metrics.levels import level_x
+from kvexp.metrics.levels import Level
 from kvexp.results import foreign, guards
+from kvexp.results.documents import JobResult
 from kvexp.results.validate import (SCHEMA_VERSION, FileRefused, ValidationFailed, config_hash,  # noqa: F401
                                     inspect_file,
                                     json_lines_of, kind_of, parse_json, read_bounded, read_errors, validate_document)
@@ -208,7 +209,7 @@ def load_document(path: Path, doc: Any = None) -> tuple[str, dict[str, Any]]:
     return kind, doc
 
 
-def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
+def previous_result(path: Path, config_hash: str) -> Optional[JobResult]:
     """The result already in a job folder, to resume it: None when there is none. Raises ResultError
     when it cannot be read or comes from a different spec (its levels must not be mixed with new ones)."""
     if not path.exists():
@@ -219,18 +220,18 @@ def previous_result(path: Path, config_hash: str) -> dict[str, Any] | None:
     if doc["config_hash"] != config_hash:
         raise ResultError(f"{path.parent}: the spec changed since this job ran (config hash {doc['config_hash']}, "
                           f"now {config_hash}); resume refuses to mix results: use a new folder or remove this one")
-    return doc
+    return JobResult.from_json(doc)
 
 
-def finished_levels(levels: list[dict[str, Any]], repeats: int) -> dict[float, list[dict[str, Any]]]:
+def finished_levels(levels: list[Level], repeats: int) -> dict[float, list[Level]]:
     """The repeats that ended ok, by level value: for each value its entries for repeats 0, 1, ... up to
     the first that is missing or did not end ok (a resume measures that one and those after it again;
     a level's last repeat sums up the ones before it)."""
-    ok: dict[float, dict[int, dict[str, Any]]] = {}
+    ok: dict[float, dict[int, Level]] = {}
     for lv in levels:
-        if lv["status"] == "ok":
-            ok.setdefault(level_x(lv)[1], {}).setdefault(lv["repeat"], lv)
-    kept: dict[float, list[dict[str, Any]]] = {}
+        if lv.status == "ok" and lv.x is not None:
+            ok.setdefault(lv.x[1], {}).setdefault(lv.repeat or 0, lv)
+    kept: dict[float, list[Level]] = {}
     for v, by_rep in ok.items():
         for r in range(repeats):
             if r not in by_rep:

@@ -27,7 +27,8 @@ from kvexp.analysis.aggregate import collect
 from kvexp.app.compose import compose
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
-from kvexp.planning.memory import memory_check
+from kvexp.planning.memory import job_memory_check
+from kvexp.results.documents import JobResult
 from kvexp.report.planner_view import planner_view
 
 TOLERANCE = 0.05
@@ -55,7 +56,7 @@ def jobs(llama_server, smollm2, gemma3, ollama, tmp_path_factory) -> dict[str, t
         folder = tmp_path_factory.mktemp(name)
         pool = ServerPool()
         try:
-            out[name] = run_job(compose([*SCENARIO, *extra]), folder, pool=pool), folder
+            out[name] = run_job(compose([*SCENARIO, *extra]), folder, pool=pool).to_json(), folder
         finally:
             pool.release()
     return out
@@ -71,7 +72,7 @@ def test_each_levels_rss_is_the_prediction_within_the_tolerance(jobs, name):
     # llama.cpp and Ollama state their buffers in their log; vLLM's are part of its runtime
     logged = plan["cpu_memory"]["sources"]["buffers_bytes"] != "part of the runtime"
     assert (plan["cpu_memory"]["buffers_bytes"] is not None) == logged == (name != "vllm")
-    check = memory_check(res)
+    check = job_memory_check(JobResult.from_json(res))
     assert res["status"] == "complete" and check is not None and check.measure == "rss" and len(check.levels) == 2
     print(f"\n{name}: " + "; ".join(f"concurrency {lv.x:g}: predicted {lv.predicted_gib * 1024:.1f} MiB, measured "
                                    f"{lv.measured_gib * 1024:.1f} MiB ({lv.error_pct:+.1f} %)" for lv in check.levels))

@@ -18,6 +18,7 @@ from unit.app.test_interrupts import Kvexp
 from integration.test_sigkill import BACKENDS, _args
 
 from kvexp.analysis import comparable
+from kvexp.results.runs import Placement, Run
 from kvexp.results.store import load_document
 
 
@@ -111,7 +112,7 @@ def test_every_process_of_each_server_runs_on_the_cpus_kvexp_recorded(backend, r
     assert set(recorded) <= set(watch.cpus), (recorded, watch.names)
     if CHILD[backend]:
         assert len(recorded) >= 2, placed["server_processes"]  # the runner or engine core is in the record
-    assert comparable.placement_key({"placement": placed}) == ("split", tuple(sorted(server)))
+    assert comparable.placement_key(Run(placement=Placement.from_json(placed))) == ("split", tuple(sorted(server)))
 
 
 def test_runs_whose_servers_ran_on_other_cpus_are_not_compared(tmp_path):

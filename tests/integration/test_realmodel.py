@@ -50,7 +50,7 @@ def smollm2() -> Path:
 def run(tmp: Path, *overrides: str) -> dict:
     pool = ServerPool()
     try:
-        res = run_job(compose([*SMOL, *overrides]), tmp, pool=pool)
+        res = run_job(compose([*SMOL, *overrides]), tmp, pool=pool).to_json()
     finally:
         pool.release()
     assert check_file(tmp / "result.json") == []

@@ -22,7 +22,7 @@ def run(tmp: Path, *overrides: str, pool: ServerPool | None = None) -> dict:
     own = pool is None
     pool = pool or ServerPool()
     try:
-        res = run_job(cfg, tmp, pool=pool)
+        res = run_job(cfg, tmp, pool=pool).to_json()
     finally:
         if own:
             pool.release()

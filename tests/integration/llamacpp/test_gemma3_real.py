@@ -86,7 +86,7 @@ def test_planner_kv_bytes_equal_llama_servers_two_caches(llama_server, gemma3, t
 def _job(tmp: Path, *overrides: str) -> dict:
     pool = ServerPool()
     try:
-        res = run_job(compose(["model=gemma3-270m", *overrides]), tmp, pool=pool)
+        res = run_job(compose(["model=gemma3-270m", *overrides]), tmp, pool=pool).to_json()
     finally:
         pool.release()
     assert check_file(tmp / "result.json") == []

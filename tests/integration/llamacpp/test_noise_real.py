@@ -24,7 +24,7 @@ def twice(llama_server, tmp_path_factory):
             cfg = compose([*TINY, "scenario=smoke", f"backend.binary={llama_server}", "scenario.repeats=3",
                            "scenario.concurrency=[2]", f"label={label}"])
             res = run_job(cfg, out, pool=pool)
-            assert res["status"] == "complete", res.get("status_reason")
+            assert res.status == "complete", res.status_reason
             folders.append(out)
     finally:
         pool.release()

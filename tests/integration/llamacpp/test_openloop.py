@@ -13,7 +13,6 @@ from kvexp.backends.pool import ServerPool
 from kvexp.measure.loadgen import arrival_offsets
 from kvexp.measure.runner import run_job
 from kvexp.report.summary import write_job_summary
-from kvexp.results.documents import JobResult
 from kvexp.results.validate import check_file
 
 
@@ -21,10 +20,11 @@ def run(tmp: Path, binary: Path, *overrides: str) -> tuple[dict, list[dict], Pat
     cfg = compose([*TINY, "scenario=smoke", f"backend.binary={binary}", *overrides])
     pool = ServerPool()
     try:
-        res = run_job(cfg, tmp, pool=pool)
+        job = run_job(cfg, tmp, pool=pool)
     finally:
         pool.release()
-    write_job_summary(JobResult.from_json(res), tmp)
+    write_job_summary(job, tmp)
+    res = job.to_json()
     assert check_file(tmp / "result.json") == [] and check_file(tmp / "requests.jsonl") == []
     reqs = [json.loads(x) for x in (tmp / "requests.jsonl").read_text().splitlines()]
     return res, [q for q in reqs if not q["warmup"]], tmp

@@ -28,7 +28,7 @@ def repeated(llama_server, tmp_path_factory):
                    "scenario.concurrency=[1,2]", "scenario.slo_ttft_ms=10000", "scenario.slo_tpot_ms=10000"])
     pool = ServerPool()
     try:
-        res = run_job(cfg, out, pool=pool)
+        res = run_job(cfg, out, pool=pool).to_json()
     finally:
         pool.release()
     return res, out
@@ -77,9 +77,9 @@ def test_summaries_show_repeats_and_flag_unstable_figures(repeated):
 
 def test_unstable_repeats_are_warned():
     level = Level(concurrency=4, rate=None, repeat=2, status="ok", **{**stats.summarize_level([]), "requests": 48},
-                  repeats=stats.repeats_of([{"throughput_tok_s": 100.0, "ttft_p50_ms": 50.0},
-                                            {"throughput_tok_s": 130.0, "ttft_p50_ms": 51.0},
-                                            {"throughput_tok_s": 80.0, "ttft_p50_ms": 50.5}]))
+                  repeats=stats.repeats_of([Level.from_json(x) for x in (
+                      {"throughput_tok_s": 100.0, "ttft_p50_ms": 50.0}, {"throughput_tok_s": 130.0, "ttft_p50_ms": 51.0},
+                      {"throughput_tok_s": 80.0, "ttft_p50_ms": 50.5})]))
     assert stats.unstable(level.repeats) == ["throughput_tok_s"]
     (w,) = level_warnings(level, [], False)
     assert w.code == "unstable" and w.values["n"] == 3

@@ -7,6 +7,7 @@ import pytest
 from conftest import TINY
 
 from kvexp.metrics import search
+from kvexp.metrics.levels import Level
 
 
 # 4 slots: up to 4 streams no request waits for a slot (TTFT p95 a few ms, spikes of tens of ms on a busy
@@ -37,14 +38,14 @@ def grid_and_search(llama_server, tmp_path_factory):
     pool, out = ServerPool(), {}
     try:
         folder = tmp_path_factory.mktemp("grid")
-        out["grid"] = (run_job(compose([*TINY, *REAL, f"backend.binary={llama_server}", "label=grid"]), folder, pool=pool),
+        out["grid"] = (run_job(compose([*TINY, *REAL, f"backend.binary={llama_server}", "label=grid"]), folder, pool=pool).to_json(),
                        folder)
         slo, ratio = _cut(out["grid"][0]["levels"])
         assert ratio >= MIN_GAP, f"no clean latency knee in the grid: {[lv['ttft_p95_ms'] for lv in out['grid'][0]['levels']]}"
         folder = tmp_path_factory.mktemp("search")
         cfg = compose([*TINY, *REAL, f"backend.binary={llama_server}", "label=search", f"scenario.slo_ttft_ms={slo}",
                        "scenario.search=concurrency", "scenario.search_min_growth=null"])
-        out["search"] = (run_job(cfg, folder, pool=pool), folder)
+        out["search"] = (run_job(cfg, folder, pool=pool).to_json(), folder)
     finally:
         pool.release()
     out["slo"] = slo
@@ -56,14 +57,15 @@ def test_the_search_finds_the_grids_answer_in_less_time(grid_and_search):
 
     (grid, _), (found, folder) = grid_and_search["grid"], grid_and_search["search"]
     obj = search.Objectives("concurrency", grid_and_search["slo"], None, min_growth=None)
-    full = [search.evaluate(lv["concurrency"], [lv], obj) for lv in grid["levels"]]
+    full = [search.evaluate(lv["concurrency"], [Level.from_json(lv)], obj) for lv in grid["levels"]]
     expected = search.grid_answer(full)
     assert expected is not None and 1 <= expected < 16, [(p.x, p.ttft_ms) for p in full]
     s = found["search"]
     why = ([(p.x, p.ttft_ms) for p in full], s["probed"])
     # each probe's verdict is that of the level the search measured, and the answer is the one its own
     # measurements give: it meets the SLO, its neighbour above misses it
-    mine = {lv["concurrency"]: search.evaluate(lv["concurrency"], [lv], obj).passed for lv in found["levels"]}
+    mine = {lv["concurrency"]: search.evaluate(lv["concurrency"], [Level.from_json(lv)], obj).passed
+            for lv in found["levels"]}
     assert {p["x"]: p["passed"] for p in s["probed"]} == mine
     answer = s["answer"]
     assert mine[answer] and not mine[answer + 1], why

@@ -22,7 +22,7 @@ def run(tmp: Path, binary: Path, *overrides: str) -> dict:
     cfg = compose([*TINY, f"backend.binary={binary}", *overrides])
     pool = ServerPool()
     try:
-        res = run_job(cfg, tmp, pool=pool)
+        res = run_job(cfg, tmp, pool=pool).to_json()
     finally:
         pool.release()
     assert check_file(tmp / "result.json") == []

@@ -29,7 +29,7 @@ REQUEST = RequestRecord(index=0, level=1, sent_s=0.1, first_token_s=0.15, done_s
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Any]:
     """A valid job result (a skipped job, plus one level)."""
-    doc = unrun_result(compose(TINY), tmp_path_factory.mktemp("good"), "for the tests")
+    doc = unrun_result(compose(TINY), tmp_path_factory.mktemp("good"), "for the tests").to_json()
     doc["levels"] = [dict(LEVEL)]
     return doc
 

@@ -301,7 +301,7 @@ def test_a_llama_server_job_under_a_tiny_cap_keeps_its_kv_lines_and_every_reques
                    "log.max_mb=0.0625", "log.head_mb=0.03125"])
     pool = ServerPool()
     try:
-        res = run_job(cfg, tmp_path, pool=pool)
+        res = run_job(cfg, tmp_path, pool=pool).to_json()
     finally:
         pool.release()
     assert check_file(tmp_path / "result.json") == []

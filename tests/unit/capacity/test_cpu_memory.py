@@ -16,7 +16,8 @@ from kvexp.backends.llamacpp import cache_ram_bytes, logged_buffers
 from kvexp.capacity import cpumemory
 from kvexp.capacity.cpumemory import CpuMemoryModel
 from kvexp.planning import prediction
-from kvexp.planning.memory import memory_check, parts_words
+from kvexp.planning.memory import job_memory_check, memory_check, parts_words
+from kvexp.results.documents import JobResult
 
 MIB = 1 << 20
 FIX = FIXTURES / "llamacpp"
@@ -101,7 +102,7 @@ def test_on_the_cpu_the_plan_predicts_the_rss_level_by_level(llama_server, tiny_
     assert cpu["levels_rss_gib"][0] < cpu["levels_rss_gib"][1]  # the prompt cache grows with the requests
     assert cpu["request_state_bytes"] == (32 + 16 - 1) * p["kv_bytes_per_token"]
     assert "floor" in cpu["sources"]["buffers_bytes"]  # planned before any server started
-    c = memory_check({"planner": p, "levels": []})
+    c = memory_check(p, [], on_gpu=False)
     assert c.measure == "rss" and "RSS" in c.words and parts_words(c).startswith("runtime ")
     # the KV cache reset between levels launches with --cache-ram 0: no prompt cache
     spec, p = _plan("kv=fp16", "scenario.prefix_tokens=16")
@@ -135,7 +136,7 @@ def test_a_cpu_run_of_an_earlier_kvexp_is_held_to_its_rss_and_says_it_was_planne
     import json
 
     doc = json.loads((FIXTURES / "decision" / "fp16" / "result.json").read_text())
-    c = memory_check(doc)
+    c = job_memory_check(JobResult.from_json(doc))
     assert c is not None and c.measure == "rss" and c.gpu_planned and "planned as on a GPU" in c.words
     assert c.predicted_gib == doc["planner"]["predicted_peak_memory_gib"]
     assert c.measured_gib == max(lv["peak_rss_gib"] for lv in doc["levels"]) and c.error_pct < -85

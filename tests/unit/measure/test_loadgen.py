@@ -23,6 +23,7 @@ from kvexp.measure.eventloop import LoopLagMonitor
 from kvexp.measure.loadgen import LoadGenerator, arrival_offsets
 from kvexp.measure.workers import resolve_workers, runs_in_process, split_closed
 from kvexp.metrics import stats
+from kvexp.metrics.levels import Level
 from kvexp.metrics.records import RequestRecord
 
 FX = FIXTURES
@@ -428,6 +429,6 @@ def test_live_progress_counts_and_draws_on_its_own_timer():
     assert snap["remaining_s"] is not None
     console.print(p)
     assert "5/8 requests" in out.getvalue() and "repeat 2/2" in out.getvalue()
-    p.level_done(16, {"throughput_tok_s": 12.5, "ttft_p50_ms": 3, "tpot_p50_ms": 1, "errors": 1, "requests": 8,
-                      "status": "ok", "client_limited": False})
+    p.level_done(16, Level.from_json({"throughput_tok_s": 12.5, "ttft_p50_ms": 3, "tpot_p50_ms": 1, "errors": 1,
+                                      "requests": 8, "status": "ok", "client_limited": False}))
     assert p.live is None and "12.5 tok/s" in out.getvalue()

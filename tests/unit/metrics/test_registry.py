@@ -57,7 +57,7 @@ def enriched_result() -> dict:
     again = copy.deepcopy(lv[1])
     again.update(repeat=1, throughput_tok_s=lv[1]["throughput_tok_s"] * 1.3)
     lv.insert(2, again)
-    lv[2]["repeats"] = stats.repeats_of([lv[1], lv[2]])
+    lv[2]["repeats"] = stats.repeats_of([levels.Level.from_json(lv[1]), levels.Level.from_json(lv[2])])
     failed = copy.deepcopy(lv[-1])
     failed.update(concurrency=8, status="failed", status_reason="4/16 requests failed (timeout 4)", errors=4,
                   errors_by_kind={"timeout": 4},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvexp.metrics import search
+from kvexp.metrics.levels import Level
 from kvexp.metrics.search import Objectives, Probe, next_step
 
 OBJ = Objectives("concurrency", slo_ttft_ms=100.0, slo_tpot_ms=None, min_growth=None)
@@ -13,8 +14,8 @@ GRID = [float(c) for c in range(1, 17)]
 
 
 def _probe(x, ttft, tput=None, **kw):
-    return search.evaluate(x, [{"ttft_p95_ms": ttft, "tpot_p95_ms": 1.0, "throughput_tok_s": tput,
-                                "requests": 16, "errors": 0, "status": "ok", **kw}], OBJ)
+    return search.evaluate(x, [Level.from_json({"ttft_p95_ms": ttft, "tpot_p95_ms": 1.0, "throughput_tok_s": tput,
+                                                "requests": 16, "errors": 0, "status": "ok", **kw})], OBJ)
 
 
 def _run(latency, grid=GRID, obj=OBJ):
@@ -25,7 +26,7 @@ def _run(latency, grid=GRID, obj=OBJ):
         if step.x is None:
             return step, [p.x for p in probes]
         lv = {"requests": 16, "errors": 0, "status": "ok", **latency(step.x)}
-        probes.append(search.evaluate(step.x, [lv], obj))
+        probes.append(search.evaluate(step.x, [Level.from_json(lv)], obj))
 
 
 def test_ramp_doubles_then_bisects_to_neighbours():
@@ -72,11 +73,13 @@ def test_stops_when_preemptions_begin_or_errors_pass_the_threshold():
 
 def test_repeats_are_averaged_and_both_objectives_count():
     obj = Objectives("concurrency", 100.0, 5.0)
-    p = search.evaluate(4, [{"ttft_p95_ms": 90.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0},
-                            {"ttft_p95_ms": 120.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0}], obj)
+    p = search.evaluate(4, [Level.from_json({"ttft_p95_ms": 90.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0}),
+                            Level.from_json({"ttft_p95_ms": 120.0, "tpot_p95_ms": 4.0, "requests": 8, "errors": 0})],
+                        obj)
     assert p.ttft_ms == 105.0 and not p.passed and p.misses == ("ttft",)
     p99 = Objectives("concurrency", None, 5.0, percentile="p99")
-    assert search.evaluate(4, [{"tpot_p99_ms": 6.0, "tpot_p95_ms": 1.0, "requests": 8}], p99).misses == ("tpot",)
+    assert search.evaluate(4, [Level.from_json({"tpot_p99_ms": 6.0, "tpot_p95_ms": 1.0, "requests": 8})],
+                           p99).misses == ("tpot",)
 
 
 def test_grid_filled_at_a_resolution():

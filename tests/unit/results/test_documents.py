@@ -48,6 +48,23 @@ def test_a_job_result_is_written_back_as_it_was_read(name):
     assert [lv.x for lv in job.levels] == [("concurrency", float(lv["concurrency"])) for lv in doc["levels"]]
 
 
+def test_a_field_set_on_a_read_document_is_written_and_the_keys_it_lacked_stay_out():
+    doc = _json(REAL / "fp16" / "result.json")
+    del doc["status_reason"], doc["workload"]
+    job = JobResult.from_json(copy.deepcopy(doc))
+    job.update(status="failed", status_reason="cancelled by Slurm")
+    out = job.to_json()
+    assert (out["status"], out["status_reason"]) == ("failed", "cancelled by Slurm") and "workload" not in out
+    assert {k: v for k, v in out.items() if k not in ("status", "status_reason")} == \
+        {k: v for k, v in doc.items() if k != "status"}
+
+
+def test_a_result_built_in_code_writes_every_field_null_where_unknown_but_those_its_schema_forbids_null():
+    out = JobResult(label="x", kv_cache=KVCache(dtype="f16")).to_json()
+    assert out["search"] is None and out["quality"] is None and out["kv_cache"]["blocks"] is None
+    assert "resumed_at" not in out and "timing" not in out and "source" not in out["kv_cache"]
+
+
 def test_a_job_is_one_run_of_the_aggregate_shape_and_validates():
     job = JobResult.from_json(_json(REAL / "q8_0" / "result.json"))
     run = Run.of_job(job, "x/result.json")
