@@ -147,11 +147,13 @@ def test_a_level_reads_its_figures_by_registry_key():
     assert lv.keys() == ["concurrency", "rate", "errors", "server"]
 
 
-# Keys only a run of an aggregate (or a job result) has: reading one of these off a mapping above
-# results/ means a run travels as JSON again, past its type.
+# Keys only a run of an aggregate, a job result or a level has: reading one of these off a mapping above
+# results/ means a run or a level travels as JSON again, past its type (the runner and the quality
+# measurement included: they fill and read a typed JobResult).
 RUN_KEYS = ("kv_requested", "kv_cache", "runs", "tool_notes", "backend_version", "launch_command",
-            "variable_length", "reused_server")
-TYPED = ("analysis", "planning", "report", "app")
+            "variable_length", "reused_server", "config_hash", "status_reason", "finished_at", "resumed_at",
+            "peak_rss_gib", "kv_usage_samples", "client_limited")
+TYPED = ("analysis", "planning", "report", "app", "measure", "quality")
 
 
 def _json_reads(path: Path) -> list[str]:
