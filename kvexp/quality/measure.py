@@ -83,7 +83,7 @@ def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) 
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
     job = QualityJob(cfg, q, backend, dtype, base_kv, base_dtype, dtype == base_dtype, cache, text, text_path,
-                     out_dir, res.get("label") or "")
+                     out_dir, res.label or "")
     block["baseline"].update(key=key, cache_dir=str(cache))
     if getattr(cfg.model, backend.served_field(cfg.model), None) == "@tiny":
         job.warnings.append("model=tiny is degenerate by design (nearly one-hot next-token distributions): its "
@@ -110,7 +110,7 @@ def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) 
         if d.get("status") in ("skipped", "failed"):
             job.warnings.append(f"teacher-forced depth {d['context']} {d['status']}: {d.get('reason')}")
     for w in job.warnings:  # on the terminal too, not only in the result
-        log.warning("%s: quality: %s", res.get("label") or cfg.model.name, w)
+        log.warning("%s: quality: %s", res.label or cfg.model.name, w)
     block["warnings"] = job.warnings
     block["duration_s"] = round(time.monotonic() - t0, 3)
     return block
