@@ -200,7 +200,7 @@ def _resume(job: Job) -> bool:
     prev = previous_result(job.result_path, res.config_hash or "")
     job.kept = finished_levels(prev.levels, job.cfg.scenario.repeats) if prev else {}
     if prev and all(len(job.kept.get(v, [])) == job.cfg.scenario.repeats for _, v in job.plan):
-        job.result = prev
+        job.result = prev.own()  # (its quality may still be measured into it)
         if prev.status != "complete" and not quality.missing(job.cfg, prev.quality):  # after its last level
             prev.update(status="complete", status_reason=None)
             job.save()

@@ -68,6 +68,20 @@ class Doc:
         if present is not None:
             setattr(self, "present", present | frozenset(values))
 
+    def own(self) -> Any:
+        """The document made the code's own, as if built here: from now on it writes every field (null where
+        unknown), and so do its blocks and levels (a resumed job's result, which the runner goes on
+        filling). Returns the document."""
+        setattr(self, "present", None)
+        for n in _names(type(self)):
+            v = getattr(self, n)
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, Doc):
+                    x.own()
+                elif isinstance(x, Level):
+                    x.present = None
+        return self
+
     def to_json(self) -> dict[str, Any]:
         present: Optional[frozenset[str]] = getattr(self, "present")
         out = {}

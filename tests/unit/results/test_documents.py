@@ -59,6 +59,22 @@ def test_a_field_set_on_a_read_document_is_written_and_the_keys_it_lacked_stay_o
         {k: v for k, v in doc.items() if k != "status"}
 
 
+def test_a_read_result_made_the_codes_own_writes_what_is_set_on_it_and_its_blocks():
+    doc = _json(REAL / "fp16" / "result.json")
+    job = JobResult.from_json(copy.deepcopy(doc)).own()
+    job.resumed_at, job.backend.log_tail = ["2026-12-07T20:00:00Z"], "last words"
+    out = job.to_json()
+    assert out["resumed_at"] == ["2026-12-07T20:00:00Z"] and out["backend"]["log_tail"] == "last words"
+    def within(read, written):  # what was read is written again, beside the fields now written as null
+        if isinstance(read, dict):
+            return all(k in written and within(v, written[k]) for k, v in read.items())
+        if isinstance(read, list):
+            return len(read) == len(written) and all(within(a, b) for a, b in zip(read, written))
+        return read == written
+    assert within(doc, out) and read_errors(out, "result") == []
+    assert out["search"] is None and "log_tail" not in doc["backend"]
+
+
 def test_a_result_built_in_code_writes_every_field_null_where_unknown_but_those_its_schema_forbids_null():
     out = JobResult(label="x", kv_cache=KVCache(dtype="f16")).to_json()
     assert out["search"] is None and out["quality"] is None and out["kv_cache"]["blocks"] is None
