@@ -165,7 +165,11 @@ class TestRealServer:
         assert rec.ok, rec.error
         assert (rec.prompt_tokens, rec.output_tokens, rec.finish_reason) == (64, 32, "length")
         assert rec.first_token_s > rec.sent_s and rec.done_s >= rec.first_token_s
-        assert 1 <= len(rec.token_times_s) <= 32
+        # one arrival time per streamed chunk: no more chunks than the server's output tokens, each arrival
+        # within the request's own first-token and done times
+        times = rec.token_times_s
+        assert 1 <= len(times) <= rec.output_tokens and times == sorted(times)
+        assert rec.first_token_s <= times[0] and times[-1] <= rec.done_s
 
     def test_chat_with_an_exact_templated_prompt(self, vllm_servers: _Servers) -> None:
         b = vllm_servers.get("fp16")
