@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import missing, ROOT
+from perplexity_by_hand import ByHand
 
 from kvexp.assets import embedded
 from kvexp.capacity import gguffile
@@ -30,7 +30,7 @@ from kvexp.backends.base import CLIENT_KEEPALIVE_S
 from kvexp.app.compose import compose
 from kvexp.app.checks import check_config
 from kvexp.core.config import ConfigError
-from kvexp.assets.install import find_llama_perplexity, vllm_python
+from kvexp.assets.install import vllm_python
 from kvexp.measure.client import make_session
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
@@ -236,19 +236,9 @@ def depth512(r: dict) -> dict:
 @pytest.mark.llamacpp
 def test_quality_drift_equals_llama_perplexity_run_by_hand(quality, llama_server, smollm2):
     cwd, jobs = quality
-    ppl = find_llama_perplexity(llama_server)
-    text = ROOT / "kvexp" / "assets" / "evaltext.txt"
-    base = cwd / "hand.kld"
-    threads = str(max(1, (os.cpu_count() or 2) - 1))
-    same = ["-m", str(smollm2), "-f", str(text), "-c", "512", "--chunks", "4", "-fa", "on", "-t", threads]
-    subprocess.run([str(ppl), *same, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
-                   check=True, capture_output=True, timeout=600)
+    by_hand = ByHand(llama_server, smollm2, cwd / "hand.kld")
     for kv, env in (("q8_0", {}), ("q4_0", {}), ("q4_0-off", {"LLAMA_ATTN_ROT_DISABLE": "1"})):
-        dtype = kv.split("-")[0]
-        out = subprocess.run([str(ppl), *same, "-ctk", dtype, "-ctv", dtype, "--kl-divergence-base", str(base),
-                              "--kl-divergence"], capture_output=True, text=True, timeout=600,
-                             env={**os.environ, **env}).stdout
-        hand = float(re.search(r"Mean\s+KLD:\s+(-?[\d.]+)", out).group(1))
+        hand = by_hand.kld(kv.split("-")[0], env)
         d = depth512(jobs[kv])
         print(f"\nSmolLM2 {kv} at 512: KLD kvexp {d['kld_mean']} vs by hand {hand}; top-1 {d['top1_agreement']}, "
               f"PPL {d['ppl']} (f16 {d['ppl_base']})")

@@ -5,7 +5,6 @@ kvexp's parser."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -13,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import missing, ROOT
+from conftest import missing
+from perplexity_by_hand import ByHand
 
 from kvexp.app.compose import compose
 from kvexp.assets import embedded
-from kvexp.assets.install import find_llama_perplexity
 from kvexp.backends.llamacpp import CELL_PAD
 from kvexp.backends.pool import ServerPool
 from kvexp.measure.runner import run_job
@@ -119,15 +118,6 @@ def test_gemma3_q4_0_drift_equals_llama_perplexity_run_by_hand(llama_server, gem
     res = _job(tmp_path / "job", f"backend.binary={llama_server}", "kv=q4_0", "scenario=quality",
                "quality.depths=[512]", "quality.prompts=1")
     (d,) = res["quality"]["teacher_forced"]["depths"]
-    ppl = find_llama_perplexity(llama_server)
-    text = ROOT / "kvexp" / "assets" / "evaltext.txt"
-    base = tmp_path / "hand.kld"
-    threads = str(max(1, (os.cpu_count() or 2) - 1))
-    same = ["-m", str(gemma3), "-f", str(text), "-c", "512", "--chunks", "4", "-fa", "on", "-t", threads]
-    subprocess.run([str(ppl), *same, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
-                   check=True, capture_output=True, timeout=600)
-    out = subprocess.run([str(ppl), *same, "-ctk", "q4_0", "-ctv", "q4_0", "--kl-divergence-base", str(base),
-                          "--kl-divergence"], capture_output=True, text=True, timeout=600).stdout
-    hand = float(re.search(r"Mean\s+KLD:\s+(-?[\d.]+)", out).group(1))
+    hand = ByHand(llama_server, gemma3, tmp_path / "hand.kld").kld("q4_0")
     print(f"\nGemma 3 q4_0 at 512: KLD kvexp {d['kld_mean']} vs by hand {hand}")
     assert d["kld_mean"] == pytest.approx(hand, abs=1e-6) and hand > 0.01
