@@ -101,7 +101,7 @@ def test_llamacpp_conversation_history_grows_and_is_reused(llama_server, tmp_pat
 
 def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path, loop_lags):
     # on the job's own event loop (client.workers=1), which the test watches
-    res = run(tmp_path, f"backend.binary={llama_server}", "scenario=trace", "scenario.time_scale=0.5",
+    res = run(tmp_path, f"backend.binary={llama_server}", "model=tiny", "scenario=trace", "scenario.time_scale=0.5",
               "client.workers=1")
     (lv,) = res["levels"]
     w = lv["workload"]
@@ -127,7 +127,7 @@ def test_llamacpp_trace_replays_on_its_own_schedule(llama_server, tmp_path, loop
 
 
 def test_llamacpp_sharegpt_file_runs(llama_server, tmp_path):
-    res = run(tmp_path, f"backend.binary={llama_server}", "scenario=sharegpt", "scenario.concurrency=[2]",
+    res = run(tmp_path, f"backend.binary={llama_server}", "model=tiny", "scenario=sharegpt", "scenario.concurrency=[2]",
               "scenario.requests=12")
     d = res["workload"]["dataset"]
     (lv,) = res["levels"]
@@ -139,7 +139,7 @@ def test_llamacpp_sharegpt_file_runs(llama_server, tmp_path):
 
 
 def test_llamacpp_length_distribution_is_realised_exactly(llama_server, tmp_path):
-    res = run(tmp_path, f"backend.binary={llama_server}", "scenario=lengths", "scenario.concurrency=[4]",
+    res = run(tmp_path, f"backend.binary={llama_server}", "model=tiny", "scenario=lengths", "scenario.concurrency=[4]",
               "scenario.requests=24")
     recs = requests_of(tmp_path)
     asked = [r["target_prompt_tokens"] for r in recs]
@@ -160,8 +160,10 @@ def test_vllm_shared_prefix_hits_from_its_counters(tmp_path):
 
     if vllm_python() is None:
         missing("the vLLM CPU venv", "run `python -m kvexp install vllm`")
-    # 4 output tokens: vLLM's CPU build decodes SmolLM2 at ~150 ms a token here, and the prefix is prefill's
-    base = ["backend=vllm", "scenario=prefix", "scenario.requests=8", "scenario.concurrency=[1,4]",
+    # kvexp's tiny model: what is checked is vLLM's own counters and the planner's prediction (vLLM's CPU
+    # build takes ~13 s to prefill SmolLM2's 512 tokens here); that reuse makes the first token sooner is
+    # checked on SmolLM2 with llama-server (test_llamacpp_shared_prefix_is_reused_and_faster)
+    base = ["backend=vllm", "model=tiny", "scenario=prefix", "scenario.requests=8", "scenario.concurrency=[1,4]",
             "scenario.max_tokens=4", '+backend.env={VLLM_SERVER_DEV_MODE: "1"}']  # one server for both jobs
     pool = ServerPool()
     try:
@@ -179,7 +181,6 @@ def test_vllm_shared_prefix_hits_from_its_counters(tmp_path):
         assert pc["hit_tokens"] == (8 - 2) * 384
         assert s["cache_reset"] == {"done": True, "how": "POST /reset_prefix_cache"}
         assert u["prefix_cache"]["hit_tokens"] == 0
-        assert s["server"]["ttft_mean_ms"] < u["server"]["ttft_mean_ms"]
     # the planner holds each shared prefix once (prefix caching): its prediction is what was measured
     plan = {row["concurrency"]: row["predicted_kv_usage"] for row in shared["planner"]["levels"]}
     for lv in shared["levels"]:
