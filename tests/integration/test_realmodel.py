@@ -132,7 +132,7 @@ def test_kv_rotation_is_in_the_spec_and_the_hash(llama_server, smollm2, monkeypa
 def chat(llama_server, smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol-chat")
     res = run(out, f"backend.binary={llama_server}", "scenario=chat", "scenario.concurrency=[1,4]",
-              "scenario.requests=8", "scenario.max_tokens=96", "scenario.warmup_requests=1")
+              "scenario.requests=8", "scenario.max_tokens=48", "scenario.warmup_requests=1")
     return out, res
 
 
@@ -143,7 +143,7 @@ def test_chat_completes_with_no_error(chat):
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     for lv in res["levels"]:
         assert lv["errors"] == 0 and lv["requests"] == 8
-        assert lv["mean_output_tokens"] == 96  # ignore_eos: every reply runs to max_tokens
+        assert lv["mean_output_tokens"] == 48  # ignore_eos: every reply runs to max_tokens
     m = res["model"]
     assert m["weights_format"] == "GGUF Q4_1" and m["bits_per_weight"] == pytest.approx(5.744, abs=0.001)
     assert embedded.SMOLLM2.sha256 in m["origin"]

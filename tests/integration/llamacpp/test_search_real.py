@@ -11,11 +11,11 @@ from kvexp.metrics.levels import Level
 
 
 # 4 slots: up to 4 streams no request waits for a slot (TTFT p95 a few ms, spikes of tens of ms on a busy
-# machine); from 5 on, requests wait for a whole 512-token request (hundreds of ms). The SLO is put in the
+# machine); from 5 on, requests wait for a whole 256-token request (tens to hundreds of ms). The SLO is put in the
 # widest gap the grid shows between the levels below a cut and those above it (their geometric mean), so
 # the answer lies inside the grid whatever the machine's load; the search then runs against that SLO.
 REAL = ["scenario=smoke", "scenario.concurrency=[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]", "scenario.requests=16",
-        "scenario.max_tokens=512", "backend.parallel=4"]
+        "scenario.max_tokens=256", "backend.parallel=4"]
 MIN_GAP = 1.5  # the gap's ratio (lowest TTFT p95 above the cut / highest at or below it) the test needs
 
 

@@ -336,7 +336,7 @@ def test_a_job_killed_by_its_time_limit_is_one_line_and_leaves_no_server(cluster
     assert (timed_out["dir"] / "report" / "report.html").is_file()
 
 
-# ---------------------------------------------------------------- twenty jobs, two at a time
+# ---------------------------------------------------------------- ten jobs, two at a time
 def _overlap(rows: list[tuple[str, str]]) -> int:
     """The most jobs running at once, from sacct's (Start, End) of each (ISO times sort as text)."""
     events = sorted([(s, 1) for s, _ in rows] + [(e, -1) for _, e in rows], key=lambda x: (x[0], x[1]))
@@ -348,20 +348,20 @@ def _overlap(rows: list[tuple[str, str]]) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_twenty_jobs_two_at_a_time_finish_into_one_report(cluster, llama_server, tmp_path):
-    p = kvexp(cluster, ["-m", "scenario.seed=range(0,20)", "scenario.requests=4", f"backend.binary={llama_server}",
+def test_ten_jobs_two_at_a_time_finish_into_one_report(cluster, llama_server, tmp_path):
+    p = kvexp(cluster, ["-m", "scenario.seed=range(0,10)", "scenario.requests=4", f"backend.binary={llama_server}",
                         "hydra/launcher=kvexp_slurm", "hydra.launcher.array_parallelism=2", *RESOURCES], tmp_path)
     with killed_on_failure(p):
         _, err = p.communicate(timeout=840)
     assert p.returncode == 0, err[-3000:]
     d = sweep_dir(tmp_path)
     agg = json.loads((d / "sweep.json").read_text())
-    assert check_file(d / "sweep.json") == [] and len(agg["runs"]) == 20
+    assert check_file(d / "sweep.json") == [] and len(agg["runs"]) == 10
     assert {r["status"] for r in agg["runs"]} == {"complete"}
     assert (d / "report" / "report.html").is_file() and (d / "summary.md").is_file()
     (array,) = {result(f.parent)["environment"]["scheduler"]["array_job_id"] for f in d.glob("*/result.json")}
     acct = cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State,Start,End", "-j", str(array)).stdout.splitlines()
     rows = [line.split("|") for line in acct if line.count("|") == 3]
-    assert len(rows) == 20 and {r[1] for r in rows} == {"COMPLETED"}, acct
+    assert len(rows) == 10 and {r[1] for r in rows} == {"COMPLETED"}, acct
     assert _overlap([(r[2], r[3]) for r in rows]) <= 2, acct
     assert not cluster.job_processes()
