@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
-from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
+from kvexp.analysis.qualityfindings import fmt_kld
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
 from kvexp.results.runs import SLO, Aggregate, Run
@@ -96,12 +96,8 @@ def short_names(runs: list[Run]) -> dict[str, str]:
 
 def drift(run: Run) -> Optional[tuple[float, int]]:
     """(mean KLD, depth) at the deepest depth the run's quality block measured."""
-    q = run.quality
-    depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
-    if not depths:
-        return None
-    d = max(depths, key=lambda d: d["context"])
-    return float(d["kld_mean"]), int(d["context"])
+    d = run.quality.deepest if run.quality is not None else None
+    return None if d is None else (float(d.kld_mean), int(d.context))  # type: ignore[arg-type]
 
 
 def kv_key(run: Run) -> tuple[str, str, Optional[str]]:
@@ -198,9 +194,10 @@ def _memory_words(first: Candidate, others: list[Candidate]) -> str:
 def _window_words(run: Run) -> str:
     """For a sliding-window model, what its bytes per token are made of: the global layers' bytes per
     token and one sequence's window, as its planner block sized them ("" for other models)."""
-    p = run.planner or {}
-    per_token, window = _number(p, "kv_bytes_per_token"), _number(p, "kv_window_bytes_per_sequence")
-    if not _number(p, "sliding_window") or per_token is None or window is None:
+    p = run.planner
+    per_token = p.kv_bytes_per_token if p is not None else None
+    window = p.window_bytes_per_sequence if p is not None else None
+    if not is_num(per_token) or window is None:
         return ""
     return (f" it holds (a sliding-window model: {per_token:,.0f} bytes per token in its global layers "
             f"+ {window / (1 << 20):,.2f} MiB of window a sequence)")
@@ -211,11 +208,6 @@ def _drift_words(c: Candidate) -> str:
         return ""
     above = f", above the {DRIFT_LIMIT:g} at which drift is visible" if c.drift[0] > DRIFT_LIMIT else ""
     return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}{above}"
-
-
-def _number(d: dict, key: str) -> Optional[float]:
-    v = d.get(key)
-    return float(v) if is_num(v) else None
 
 
 # KV dtypes that are not quantised: choosing one costs no quality worth measuring.

@@ -36,6 +36,7 @@ from kvexp.metrics.levels import Level, kv_peak, level_warnings, workload_warnin
 from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
 from kvexp.quality.inputs import check_inputs
+from kvexp.results.blocks import Plan, Search, Workload
 from kvexp.results.documents import BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
@@ -273,7 +274,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         res.planner = _planner_block(backend, res, arch, log_text)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s, job.out_dir)
-        res.workload = maker.describe()
+        res.workload = Workload.from_json(maker.describe())
         job.save()
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
         sampler.start()
@@ -310,7 +311,8 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
             _check_alive(server)
             timing["measure_s"] = round(time.monotonic() - tm, 3)
             if searcher is not None and searcher.step is not None:
-                res.search = search.result_block(searcher.step, obj, searcher.candidates, timing["measure_s"])
+                res.search = Search.from_json(search.result_block(searcher.step, obj, searcher.candidates,
+                                                                  timing["measure_s"]))
         finally:
             sampler.stop()
             gauges.stop()
@@ -450,12 +452,12 @@ def _caps(s: Any) -> Optional[str]:
     return f"the scenario's {held} held them back" if held else None
 
 
-def _predicted_usage(plan: Optional[dict[str, Any]], concurrency: Optional[int]) -> Optional[float]:
+def _predicted_usage(plan: Optional[Plan], concurrency: Optional[int]) -> Optional[float]:
     """The planner's predicted KV usage at this concurrency, the most it can be where lengths vary (None:
     no plan or no such level)."""
-    for row in (plan or {}).get("levels") or []:
-        if concurrency is not None and row.get("concurrency") == concurrency:
-            return row.get("predicted_kv_usage_max", row.get("predicted_kv_usage"))
+    for row in plan.levels if plan is not None else []:
+        if concurrency is not None and row.concurrency == concurrency:
+            return row.predicted_kv_usage_max if row.predicted_kv_usage_max is not None else row.predicted_kv_usage
     return None
 
 
@@ -525,13 +527,13 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
 
 
 def _planner_block(backend: Adapter, res: JobResult, arch: Optional[ModelArch],
-                   log_text: str = "") -> Optional[dict[str, Any]]:
+                   log_text: str = "") -> Optional[Plan]:
     """The planner's prediction for the server that was launched, beside what will be measured
     (None if it cannot plan); its log so far gives the buffers it allocated at start (a CPU's RSS)."""
     try:
-        return prediction.predict(backend.cfg, backend.spec, gpu_name=res.gpu.name,
-                                  gpu_gib=res.gpu.memory_gib, calibration=calibration.load(), arch=arch,
-                                  server_log=log_text or None)
+        return Plan.from_json(prediction.predict(backend.cfg, backend.spec, gpu_name=res.gpu.name,
+                                                 gpu_gib=res.gpu.memory_gib, calibration=calibration.load(),
+                                                 arch=arch, server_log=log_text or None))
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res.label, e)
         return None

@@ -203,8 +203,8 @@ def _max_concurrency(run: Run) -> str:
     """One figure for a run's max concurrency: the planner's (requests of this scenario's size before
     preemption, as findings quote it), with the server's own beside it where it differs and why (vLLM
     sizes its figure for requests of its full context)."""
-    plan = run.planner if isinstance(run.planner, dict) else {}
-    ours, theirs = plan.get("max_concurrency_before_preemption"), run.kv_cache.max_concurrency
+    ours = run.planner.max_concurrency_before_preemption if run.planner is not None else None
+    theirs = run.kv_cache.max_concurrency
     if not is_num(ours):
         return format_value("max_concurrency", theirs)
     text = format_value("max_concurrency", ours)
