@@ -23,13 +23,14 @@ measured under other load is not called one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
 from kvexp.analysis.qualityfindings import fmt_kld
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
+from kvexp.results.doc import Doc
 from kvexp.results.runs import SLO, Aggregate, Run
 
 # A mean KL divergence (nats per token, against the 16-bit cache) above which a KV dtype's drift is
@@ -47,26 +48,23 @@ class Candidate:
     drift: Optional[tuple[float, int]]  # (mean KLD, depth)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    scenario: str
-    choice: tuple[str, ...]  # short names of the configuration(s) to run; () when nothing can be said
-    why: str
-    caveat: str
+@dataclass(slots=True, frozen=True)
+class Verdict(Doc):
+    """One scenario's verdict (an aggregate's `verdicts`)."""
+
+    NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {"choice": tuple, "excluded": tuple}
+
+    scenario: str = ""
+    choice: tuple[str, ...] = ()  # short names of the configuration(s) to run; () when nothing can be said
+    why: str = ""
+    caveat: str = ""
     excluded: tuple[str, ...] = ()  # "llama.cpp q8_0 (label): not compared, because ...", one per run left out
+    present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
 
     @property
     def sentence(self) -> str:
         left = ("; ".join(self.excluded) + ".") if self.excluded else ""
         return " ".join(s for s in (self.why, self.caveat, left) if s)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat,
-                "excluded": list(self.excluded)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Verdict":
-        return cls(d["scenario"], tuple(d["choice"]), d["why"], d["caveat"], tuple(d.get("excluded") or ()))
 
 
 def short_names(runs: list[Run]) -> dict[str, str]:
