@@ -37,7 +37,8 @@ from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
 from kvexp.quality.inputs import check_inputs
 from kvexp.results.blocks import Plan, Search, Workload
-from kvexp.results.documents import BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo
+from kvexp.results.documents import (BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo,
+                                    Timing)
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.results.validate import SCHEMA_VERSION
@@ -103,7 +104,7 @@ def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> JobResult:
                               api=s.api),
         gpu=GPUInfo(name=cfg.gpu.name or gi.name, memory_gib=cfg.gpu.memory_gib or gi.memory_gib, driver=gi.driver),
         environment=environment({"event_loop": type(asyncio.get_event_loop_policy()).__name__}),
-        config=plain, config_hash=config_hash(plain), timing={}, requests_file=REQUESTS_FILE)
+        config=plain, config_hash=config_hash(plain), timing=Timing(), requests_file=REQUESTS_FILE)
 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
@@ -131,7 +132,9 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     res = job.result
-    timing, env = res.timing, res.environment  # (JSON blocks: their keys are this module's)
+    if res.timing is None:  # a resumed result that recorded none
+        res.timing = Timing()
+    timing, env = res.timing, res.environment  # (the environment: its keys are this module's)
     log_path = out_dir / "server.log"
     server: Optional[Server] = None
     # the model's files are read here, once, before any server runs: nothing slow on the event loop
@@ -156,7 +159,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             b.endpoint, b.launch_command, b.env, b.reused_server = (
                 server.base_url, server.launch_command, server.process.env or None, reused)
             b.ready_s, b.server_log = round(server.ready_s, 3), str(server.process.log_path)
-            timing["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
+            timing.server_start_s = 0.0 if reused else round(server.ready_s, 3)
         server_pid = server.process.pid if server else None
         env["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
         job.save()
@@ -186,7 +189,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         if said.exists() and (res.status != "complete" or any(lv.errors for lv in res.levels)):
             res.backend.log_tail = tail(said, 20)
         res.finished_at = utc_now()
-        timing["total_s"] = round(time.monotonic() - t0, 3)
+        timing.total_s = round(time.monotonic() - t0, 3)
         reserve.release()
         job.save()
         if server is not None and (own_pool or res.status != "complete"):
@@ -254,6 +257,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                    arch: Optional[ModelArch]) -> None:
     cfg, res = job.cfg, job.result
     timing = res.timing
+    assert timing is not None  # (run_job's)
     s = cfg.scenario
     max_conn = client_connections(s)
     headers = auth_headers(cfg)
@@ -263,7 +267,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         res.backend.version = await backend.version(session)
         t = time.monotonic()
         if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
-            timing["model_load_s"] = round(time.monotonic() - t, 3)
+            timing.model_load_s = round(time.monotonic() - t, 3)
         # the server's own VRAM accounting (Ollama's /api/ps)
         res.backend.loaded_models = await backend.loaded_models(session)
         log_text = await _server_log(backend, server)
@@ -286,7 +290,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                 warm = (await maker.level(s.warmup_requests, level=0, repeat=0, warmup=True)).requests
                 await lg.closed_loop(warm, min(s.warmup_requests, max(s.concurrency or [1])))
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
-            timing["warmup_s"] = round(time.monotonic() - tw, 3)
+            timing.warmup_s = round(time.monotonic() - tw, 3)
             tm = time.monotonic()
             obj = search.objectives(s)
             searcher = search.Search(obj, search.scenario_grid(s), lambda: res.levels) if obj else None
@@ -309,10 +313,10 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     _check_alive(server)  # a server that died says so, rather than that it stopped answering
                     raise_if_hung(level)
             _check_alive(server)
-            timing["measure_s"] = round(time.monotonic() - tm, 3)
+            timing.measure_s = round(time.monotonic() - tm, 3)
             if searcher is not None and searcher.step is not None:
                 res.search = Search.from_json(search.result_block(searcher.step, obj, searcher.candidates,
-                                                                  timing["measure_s"]))
+                                                                  timing.measure_s))
         finally:
             sampler.stop()
             gauges.stop()

@@ -25,7 +25,7 @@ from kvexp.report import pdf
 from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
 from kvexp.results.blocks import Plan, PlanInputs, PlanRow
-from kvexp.results.documents import JobResult
+from kvexp.results.documents import JobResult, Timing
 from kvexp.results.runs import Aggregate
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
@@ -146,10 +146,10 @@ def sweep_timing(results: Iterable[JobResult], wall_s: Optional[float] = None,
     if since is not None:
         earlier = [r for r in ran if (w := _when(r.finished_at)) and w < since.replace(microsecond=0)]
         ran = [r for r in ran if all(r is not e for e in earlier)]
-    t = [r.timing or {} for r in ran]
-    starts = [x.get("server_start_s") for x in t if x.get("server_start_s")]
+    t = [r.timing or Timing() for r in ran]
+    starts = [x.server_start_s for x in t if x.server_start_s]
     configs = {k for r in ran if (k := _server_key(r)) is not None}
-    total = {k: sum(x.get(k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
+    total = {k: sum(getattr(x, k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
     slack = 0.0
     if wall_s is None:  # from stamps in whole seconds: allow for their rounding
         begun = [w for r in ran if (w := _when(r.started_at))]

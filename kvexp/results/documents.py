@@ -132,16 +132,30 @@ class GPUInfo(Doc):
 
 
 @dataclass(slots=True)
+class Timing(Doc):
+    """result.json's `timing`: where the job's time went, in seconds, each left out until the runner sets it."""
+
+    NOT_NULL: ClassVar[tuple[str, ...]] = ("server_start_s", "model_load_s", "warmup_s", "measure_s", "total_s")
+
+    server_start_s: Optional[float] = None  # 0.0: a server an earlier job left running
+    model_load_s: Optional[float] = None  # a lazily loading server's (Ollama) first load
+    warmup_s: Optional[float] = None
+    measure_s: Optional[float] = None
+    total_s: Optional[float] = None
+    present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
+
+
+@dataclass(slots=True)
 class JobResult(Doc):
     """One job's result.json (schema/result.schema.json, kind "kvexp.job"), typed. The planner's prediction,
     quality, the SLO search and the workload are results/blocks.py's, written back as they were read; the
-    server spec, the environment, the config and the timing stay JSON objects, the runner's."""
+    server spec, the environment and the config stay JSON objects, the runner's."""
 
     NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
         "backend": BackendInfo.from_json, "model": ModelInfo.from_json, "kv": KVAsked.from_json,
         "kv_cache": KVCache.from_json, "scenario": ScenarioInfo.from_json, "gpu": GPUInfo.from_json,
         "levels": read_levels, "planner": Plan.from_json, "search": Search.from_json, "quality": Quality.from_json,
-        "workload": Workload.from_json}
+        "workload": Workload.from_json, "timing": Timing.from_json}
     NOT_NULL: ClassVar[tuple[str, ...]] = ("resumed_at", "timing")
 
     schema_version: Optional[int] = None
@@ -165,7 +179,7 @@ class JobResult(Doc):
     config_hash: Optional[str] = None
     planner: Optional[Plan] = None
     search: Optional[Search] = None
-    timing: Optional[dict[str, Optional[float]]] = None
+    timing: Optional[Timing] = None
     requests_file: Optional[str] = None
     quality: Optional[Quality] = None
     levels: list[Level] = field(default_factory=list)
