@@ -29,7 +29,7 @@ def device_text(aggregate: Aggregate) -> Optional[str]:
     gpus = uniq([aggregate.gpu, *(r.gpu for r in aggregate.runs)])
     if gpus:
         return ", ".join(map(str, gpus))
-    cpu = aggregate.environment.get("cpu") if isinstance(aggregate.environment, dict) else None
+    cpu = aggregate.environment.cpu if aggregate.environment is not None else None
     return f"CPU only: {cpu}" if cpu else None
 
 
@@ -97,8 +97,8 @@ def setup_view(agg: Aggregate) -> dict:
             facts.append((name, str(getattr(agg, key))))
 
     env_table = None
-    env = agg.environment
-    if isinstance(env, dict) and env:
+    env = agg.environment.to_json() if agg.environment is not None else {}
+    if env:  # every fact it holds, as it holds them
         env_table = Table(["Key", "Value"], [[str(k), _plain(v)] for k, v in env.items()], kind="kv")
 
     backend_rows = []

@@ -2,8 +2,8 @@
 `Block`: each is written back as it was read): the planner's prediction (`Plan`, capacity/planner.py's
 plan_job and planning/prediction.py), the quality measurement (`Quality`, quality/measure.py), the SLO
 search (`Search`, metrics/search.py), the workload (`Workload`, measure/traffic.py), and an aggregate's
-planner constants and calibration rows (`PlannerConstants`, `CalibrationRow`: the reference document's,
-planning/calibration.py's). Fields follow schema/result.schema.json and schema/aggregate.schema.json and
+environment, planner constants and calibration rows (`Environment`, `PlannerConstants`, `CalibrationRow`:
+a job's, the reference document's, planning/calibration.py's). Fields follow schema/result.schema.json and schema/aggregate.schema.json and
 the producers' docstrings; a key a block lacks is None."""
 
 from __future__ import annotations
@@ -301,7 +301,26 @@ class Workload(Block):
 
 
 # ---------------------------------------------------------------------------------------------------
-# An aggregate's planner constants and calibration rows (the reference document's shape)
+# An aggregate's environment, planner constants and calibration rows (the reference document's shape)
+
+
+@dataclass(slots=True, frozen=True)
+class Environment(Block):
+    """Where the runs happened (an aggregate's `environment`: a job's, results/store.py's environment and
+    what the runner added to it)."""
+
+    kvexp_version: Optional[str] = None
+    hostname: Optional[str] = None
+    platform: Optional[str] = None
+    python: Optional[str] = None
+    cpu: Optional[str] = None
+    cpu_count: Optional[int] = None
+    aiohttp: Optional[str] = None
+    argv: Optional[list[str]] = None
+    scheduler: Optional[dict[str, Any]] = None
+    event_loop: Optional[str] = None
+    placement: Optional[dict[str, Any]] = None
+    client: Optional[dict[str, Any]] = None
 
 
 @dataclass(slots=True, frozen=True)

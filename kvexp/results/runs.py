@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional
 from kvexp import backends
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
-from kvexp.results.blocks import CalibrationRow, Plan, PlannerConstants, Quality, Search, Workload
+from kvexp.results.blocks import CalibrationRow, Environment, Plan, PlannerConstants, Quality, Search, Workload
 from kvexp.results.doc import Doc, read_levels, read_list
 from kvexp.results.documents import JobResult, KVCache
 
@@ -286,7 +286,8 @@ class Aggregate(Doc):
     the reference document. The recommendations, verdicts and KV cards are analysis's, as written."""
 
     NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
-        "runs": read_list(Run), "calibration": read_list(CalibrationRow), "planner": PlannerConstants.from_json}
+        "runs": read_list(Run), "calibration": read_list(CalibrationRow), "planner": PlannerConstants.from_json,
+        "environment": Environment.from_json}
     NOT_NULL: ClassVar[tuple[str, ...]] = ("schema_version", "kind", "kvexp_version", "run_dates", "calibration",
                                            "recommendations", "verdicts", "kv_cards")
 
@@ -294,7 +295,7 @@ class Aggregate(Doc):
     kind: Optional[str] = None
     kvexp_version: Optional[str] = None
     title: Optional[str] = None
-    environment: Optional[dict[str, Any]] = None
+    environment: Optional[Environment] = None
     gpu: Optional[str] = None
     gpu_gib: Optional[float] = None
     run_dates: Optional[list[str]] = None
