@@ -187,14 +187,13 @@ class Level:
         return {w.code for w in self.warnings}
 
     def value(self, key: str) -> Any:
-        """A figure by registry key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
-        head, dot, rest = key.partition(".")
-        if head not in _LEVEL_KEY_SET:
-            return None
-        v = getattr(self, head)
-        if not dot:
-            return v
-        return v.get(rest) if isinstance(v, dict) else None
+        """A figure by registry key; a dotted key reads a nested block ("server.tpot_p50_ms",
+        "workload.arrival_error_ms.p99")."""
+        head, *rest = key.split(".")
+        v = getattr(self, head) if head in _LEVEL_KEY_SET else None
+        for part in rest:
+            v = v.get(part) if isinstance(v, dict) else None
+        return v
 
     def number(self, key: str) -> Optional[float]:
         """A figure as a float (None: missing, or not a finite number)."""

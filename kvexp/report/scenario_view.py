@@ -110,8 +110,8 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     body = []
     for r, _, lv in rows:
         w, pc, reset = lv.workload, lv.prefix_cache, lv.cache_reset
-        checked = w.get("prompts_checked") or 0
-        arrival = (w.get("arrival_error_ms") or {}).get("p99")
+        checked = lv.value("workload.prompts_checked") or 0
+        arrival = lv.value("workload.arrival_error_ms.p99")
         body.append([r.label, D.fmt_x(*lv.x) if lv.x else "—",
                      _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
                      _lengths(w["output_tokens"]["realised"]),
@@ -128,7 +128,7 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     hist = []
     seen: set[str] = set()
     for r, _, lv in rows:  # one histogram per run: its first level's realised prompt lengths
-        bins = lv.workload.get("prompt_histogram") or []
+        bins = lv.value("workload.prompt_histogram") or []
         if r.label in seen or not bins:
             continue
         seen.add(r.label)

@@ -69,15 +69,15 @@ def levels_table(levels: list[Level], status: Optional[str], foreign: bool = Fal
 
 def repeat_cell(level: Level, key: str) -> str:
     """A figure over a level's repeats: mean ± 95 % CI (CV), flagged when unstable."""
-    r = (level.repeats or {}).get(key)
-    if not isinstance(r, dict) or r.get("mean") is None:
+    mean, ci95, cv = (level.value(f"repeats.{key}.{k}") for k in ("mean", "ci95", "cv"))
+    if mean is None:
         return registry.UNKNOWN
-    text = f"{r['mean']:.4g}"
-    if r.get("ci95") is not None:
-        text += f" ± {r['ci95']:.2g}"
-    if r.get("cv") is not None:
-        text += f" (CV {r['cv'] * 100:.1f} %)"
-        if r["cv"] >= UNSTABLE_CV:
+    text = f"{mean:.4g}"
+    if ci95 is not None:
+        text += f" ± {ci95:.2g}"
+    if cv is not None:
+        text += f" (CV {cv * 100:.1f} %)"
+        if cv >= UNSTABLE_CV:
             text += " **unstable**"
     return text
 
@@ -85,7 +85,7 @@ def repeat_cell(level: Level, key: str) -> str:
 def repeats_table(levels: list[Level]) -> Optional[Table]:
     """The levels measured more than once: REPEAT_COLUMNS over their repeats and how many; None if none."""
     rows = [[level_name(lv), *(repeat_cell(lv, k) for k in REPEAT_COLUMNS),
-             registry.format_value("repeats", (lv.repeats.get("throughput_tok_s") or {}).get("n"))]
+             registry.format_value("repeats", lv.value("repeats.throughput_tok_s.n"))]
             for lv in levels if lv.repeats]
     if not rows:
         return None
