@@ -56,6 +56,7 @@ class Job:
     out_dir: Path
     result: JobResult = field(default_factory=JobResult)
     kept: dict[float, list[Level]] = field(default_factory=dict)  # level value -> its repeats kept (resume)
+    client: Optional[dict[str, Any]] = None  # the client as the environment records it, over the levels so far
 
     @property
     def result_path(self) -> Path:
@@ -408,7 +409,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     level.server = backend.server_view(records, counters_before, counters_after)
     level.delivery = stats.delivery(records)
     level.peak_kv_cache_usage, level.kv_usage_sampled_peak = kv_peak(level.peak_kv_cache_usage, level.preemptions)
-    bursts = bool(level.delivery["bursts"])
+    bursts = bool(level.value("delivery.bursts"))
     limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
     level.client_limited = bool(limits)
     if hung:
@@ -434,8 +435,8 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         scenario.reuses_cache(s), cache_reset, bool(job.result.levels) or s.warmup_requests > 0,
         work.size - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
-    env = job.result.environment
-    env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
+    job.client = client_environment(run, client.workers, client.event_loop, job.client)
+    job.result.environment["client"] = job.client
     return level
 
 

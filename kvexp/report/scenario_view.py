@@ -109,16 +109,17 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     out = []
     body = []
     for r, _, lv in rows:
-        w, pc, reset = lv.workload, lv.prefix_cache, lv.cache_reset
-        checked = lv.value("workload.prompts_checked") or 0
-        arrival = lv.value("workload.arrival_error_ms.p99")
+        w = lambda key: lv.value(f"workload.{key}")  # noqa: E731
+        checked, arrival = w("prompts_checked") or 0, w("arrival_error_ms.p99")
         body.append([r.label, D.fmt_x(*lv.x) if lv.x else "—",
-                     _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
-                     _lengths(w["output_tokens"]["realised"]),
-                     f"{w['prompts_exact']}/{checked}" if checked else "—",
+                     _lengths(w("prompt_tokens.asked")), _lengths(w("prompt_tokens.realised")),
+                     _lengths(w("output_tokens.realised")),
+                     f"{w('prompts_exact')}/{checked}" if checked else "—",
                      level_cell(r, lv, "prefix_cache.hit_rate"),
-                     "—" if not pc else f"{pc['hit_tokens']:,}/{pc['queried_tokens']:,}",
-                     "—" if reset is None else ("yes" if reset["done"] else "no") + f": {reset['how']}",
+                     "—" if not lv.prefix_cache else
+                     f"{lv.value('prefix_cache.hit_tokens'):,}/{lv.value('prefix_cache.queried_tokens'):,}",
+                     "—" if lv.cache_reset is None else
+                     ("yes" if lv.value("cache_reset.done") else "no") + f": {lv.value('cache_reset.how')}",
                      "—" if arrival is None else f"{arrival:.2f}"])
     cols = ["Run", "Level", "Prompt asked (mean/p50/p99)", "Prompt realised", "Output realised", "Exact prompts",
             header("prefix_cache.hit_rate"), "Hit / looked-up tokens", "Cache reset before", "Arrival error p99 (ms)"]
