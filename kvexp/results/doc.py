@@ -45,7 +45,7 @@ class Doc:
     """What every document class shares: `from_json` (a JSON object in, its known keys read, nested blocks
     made typed by NESTED) and `to_json` (the keys it was read with and those `update` set, or, built in
     code, every field but the NOT_NULL ones that are unknown). Subclasses are dataclasses whose every field has a default and whose
-    last field is `present`."""
+    last field is `present` (a Block's: none, it keeps `raw`)."""
 
     __slots__ = ()
     NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
@@ -103,8 +103,8 @@ class Doc:
 
 @dataclass(slots=True, frozen=True)
 class Block(Doc):
-    """A block whose shape is its producer's (the planner's prediction, the quality measurement, the SLO
-    search, the workload): its keys read as typed fields (a nested block or list that is null reads empty,
+    """A block whose shape is its producer's (results/blocks.py: the planner's prediction, the quality
+    measurement, the SLO search, the workload, an aggregate's): its keys read as typed fields (a nested block or list that is null reads empty,
     where its field is not Optional), and the JSON object it was read from written back as it was, keys
     this class does not know and their order included. Read-only; a block made anew with
     dataclasses.replace (or built in code) writes its fields."""
