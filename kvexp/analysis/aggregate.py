@@ -12,6 +12,7 @@ from kvexp.analysis.verdict import Verdict, verdicts
 from kvexp.core import __version__
 from kvexp.planning.calibration import calibration_rows
 from kvexp.results import foreign
+from kvexp.results.blocks import CalibrationRow, Environment
 from kvexp.results.documents import JobResult
 from kvexp.results.runs import Aggregate, Run
 from kvexp.results.store import ResultError, find_results, load_all
@@ -24,7 +25,7 @@ def collect(paths: Iterable[Path], results: Optional[list[JobResult]] = None) ->
     (interpretation). `results`: a list that receives the job results read (a sweep's timing reads them)."""
     runs: list[Run] = []
     configs: list[Optional[dict[str, Any]]] = []  # each run's config, where its result is read here
-    calibration: list[dict[str, Any]] = []
+    calibration: list[CalibrationRow] = []
     planner = None
     results = [] if results is None else results
     gpu, gpu_gib, environment_ = None, None, None
@@ -39,7 +40,7 @@ def collect(paths: Iterable[Path], results: Optional[list[JobResult]] = None) ->
             calibration += agg.calibration or []
             planner = planner or agg.planner
             gpu, gpu_gib = gpu or agg.gpu, gpu_gib or agg.gpu_gib
-            environment_ = environment_ or agg.environment
+            environment_ = environment_ or (agg.environment.to_json() if agg.environment is not None else None)
         else:
             job = JobResult.from_json(doc)
             results.append(job)
@@ -52,9 +53,10 @@ def collect(paths: Iterable[Path], results: Optional[list[JobResult]] = None) ->
     if foreign_levels:
         runs += _foreign_runs(foreign_levels, runs)
     if results:
-        calibration += calibration_rows(results)
+        calibration += [CalibrationRow.from_json(row) for row in calibration_rows(results)]
+    env = None if environment_ is None else Environment.from_json(environment_)
     agg = Aggregate(schema_version=SCHEMA_VERSION, kind="kvexp.aggregate", kvexp_version=__version__,
-                    environment=environment_, gpu=gpu, gpu_gib=gpu_gib,
+                    environment=env, gpu=gpu, gpu_gib=gpu_gib,
                     run_dates=sorted({r.started_at for r in runs if r.started_at}), runs=runs,
                     calibration=calibration, planner=planner)
     said = interpretation(agg)

@@ -14,19 +14,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from kvexp.analysis import documents as D, noise
-from kvexp.analysis.qualityfindings import fmt_kld, fmt_share, ok_depths
+from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
 from kvexp.analysis.verdict import SIXTEEN_BIT
 from kvexp.metrics import registry
 from kvexp.metrics.registry import is_num
+from kvexp.results.blocks import QualityDepth
 from kvexp.results.runs import Aggregate, Run
 
 PHASES = (("ttft", "ttft_p50_ms", "prefill"), ("tpot", "tpot_p50_ms", "decode"))
 
 
-def _deepest(run: Run) -> Optional[dict]:
-    q = run.quality
-    depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
-    return max(depths, key=lambda d: d["context"]) if depths else None
+def _deepest(run: Run) -> Optional[QualityDepth]:
+    return run.quality.deepest if run.quality is not None else None
 
 
 def _is_base(run: Run) -> bool:
@@ -63,18 +62,17 @@ def _number(v: Any) -> Optional[float]:
 
 
 def _row(run: Run, base: Run) -> dict[str, Any]:
-    p = run.planner or {}
     bpt, base_bpt = run.bytes_per_token, base.bytes_per_token
-    window = _number(p.get("kv_window_bytes_per_sequence")) if _number(p.get("sliding_window")) else None
+    window = run.planner.window_bytes_per_sequence if run.planner is not None else None
     base_bytes = _number(base.kv_cache.bytes)
     seqs = _number(base.kv_cache.seqs) or 1
     tokens = None
     if bpt and base_bytes:
         tokens = int((base_bytes - (window or 0) * seqs) // bpt) if base_bytes > (window or 0) * seqs else None
     d, d0 = _deepest(run), _deepest(base)
-    delta_ppl = d.get("delta_ppl") if d else None
-    if d is not None and delta_ppl is None and is_num(d.get("ppl")) and is_num(d.get("ppl_base")):
-        delta_ppl = d["ppl"] - d["ppl_base"]
+    delta_ppl = d.delta_ppl if d else None
+    if d is not None and delta_ppl is None and is_num(d.ppl) and is_num(d.ppl_base):
+        delta_ppl = d.ppl - d.ppl_base  # type: ignore[operator]
     kv = run.kv
     return {
         "label": run.label, "kv": kv.name, "rotation": kv.note,
@@ -82,9 +80,9 @@ def _row(run: Run, base: Run) -> dict[str, Any]:
         "tokens_in_same_memory": tokens, "tokens_ratio": round(base_bpt / bpt, 3) if bpt and base_bpt else None,
         "ttft_change": _change(base, run, "ttft_p50_ms") if run is not base else [],
         "tpot_change": _change(base, run, "tpot_p50_ms") if run is not base else [],
-        "kld_mean": d.get("kld_mean") if d else None, "depth": d.get("context") if d else None,
-        "top1_agreement": d.get("top1_agreement") if d else None,
-        "delta_ppl": delta_ppl, "ppl": d.get("ppl") if d else (d0.get("ppl_base") if d0 and run is base else None),
+        "kld_mean": d.kld_mean if d else None, "depth": d.context if d else None,
+        "top1_agreement": d.top1_agreement if d else None,
+        "delta_ppl": delta_ppl, "ppl": d.ppl if d else (d0.ppl_base if d0 and run is base else None),
     }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvexp.metrics.registry import is_num
 from kvexp.results.runs import Run
 
 # Two runs' machine conditions differ when their CPU steal differs by more than this share of CPU time,
@@ -22,10 +21,9 @@ Load = tuple[float, float, int]  # (mean 1-minute load average, highest CPU stea
 
 def machine_load(run: Run) -> Optional[Load]:
     """(mean 1-minute load average, highest CPU steal share, cores) over a run's levels; None: not recorded."""
-    ms = [lv.machine for lv in run.levels if isinstance(lv.machine, dict)]
-    loads = [m["load_avg_1m"] for m in ms if is_num(m.get("load_avg_1m"))]
-    steals = [m["steal_share"] for m in ms if is_num(m.get("steal_share"))]
-    cores = next((int(m["cores"]) for m in ms if is_num(m.get("cores")) and m["cores"] > 0), None)
+    loads = [v for lv in run.levels if (v := lv.number("machine.load_avg_1m")) is not None]
+    steals = [v for lv in run.levels if (v := lv.number("machine.steal_share")) is not None]
+    cores = next((int(v) for lv in run.levels if (v := lv.number("machine.cores")) and v > 0), None)
     if not loads or cores is None:
         return None
     return sum(loads) / len(loads), max(steals, default=0.0), cores

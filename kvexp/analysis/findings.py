@@ -365,7 +365,7 @@ def failures(run: Run) -> list[Finding]:
 
 def compute_findings(aggregate: Aggregate) -> list[Finding]:
     """Every finding, in report order: failures, best per scenario, KV dtypes, saturation, preemption, caveats."""
-    kv_bytes = (aggregate.planner or {}).get("kv_bytes") or {}
+    kv_bytes = (aggregate.planner.kv_bytes if aggregate.planner is not None else None) or {}
     out: list[Finding] = []
     runs = aggregate.runs
     for run in runs:

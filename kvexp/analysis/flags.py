@@ -35,10 +35,11 @@ def repeat_stats(level: Level) -> dict[str, Optional[float]]:
     ({"throughput_tok_s": {n, cv, ci95, mean}, ...}, or one such summary), or from the repeats a
     merged level holds (Level.merge)."""
     out: dict[str, Any] = {"n": None, "cv": None, "ci95": None}
-    r = level.repeats
-    if isinstance(r, dict):
-        src = r.get("throughput_tok_s") if isinstance(r.get("throughput_tok_s"), dict) else r
-        out.update(n=src.get("n", r.get("n")), cv=src.get("cv"), ci95=src.get("ci95", r.get("throughput_ci95")))
+    if isinstance(level.repeats, dict):
+        own = "repeats.throughput_tok_s" if isinstance(level.value("repeats.throughput_tok_s"), dict) else "repeats"
+        n, ci95 = level.value(f"{own}.n"), level.value(f"{own}.ci95")
+        out.update(n=n if n is not None else level.value("repeats.n"), cv=level.value(f"{own}.cv"),
+                   ci95=ci95 if ci95 is not None else level.value("repeats.throughput_ci95"))
     vals = level.repeat_throughputs
     if vals is not None and len(vals) >= 2 and out["cv"] is None:
         out["n"] = out["n"] or len(vals)

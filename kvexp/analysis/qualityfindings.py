@@ -13,6 +13,7 @@ from typing import Optional
 
 from kvexp.analysis.documents import Finding, backend_name
 from kvexp.metrics.registry import is_num
+from kvexp.results.blocks import Quality
 from kvexp.results.runs import Aggregate, Run
 
 
@@ -33,19 +34,8 @@ def fmt_share(v: Optional[float]) -> str:
     return f"{math.floor(v * 100_000) / 1000:.3f} %"
 
 
-def _quality(run: Run) -> Optional[dict]:
-    q = run.quality
-    return q if isinstance(q, dict) else None
-
-
 def _kv(run: Run) -> str:
-    q = _quality(run)
-    return str((q or {}).get("kv") or run.kv_requested or "")
-
-
-def ok_depths(q: dict) -> list[dict]:
-    return [d for d in (q.get("teacher_forced") or {}).get("depths") or []
-            if d.get("status") == "ok" and is_num(d.get("kld_mean"))]
+    return str((run.quality.kv if run.quality is not None else None) or run.kv_requested or "")
 
 
 def _like(a: Run, b: Run) -> bool:
@@ -94,28 +84,27 @@ def _speed_words(runs: list[Run], kv: str, base: str) -> Optional[str]:
     return f"{pct:+.0f} % throughput at {where} ({scen})"
 
 
-def _drift_words(q: dict) -> Optional[str]:
-    depths = ok_depths(q)
+def _drift_words(q: Quality) -> Optional[str]:
+    depths = q.ok_depths
     if not depths:
         return None
     first, rest = depths[0], depths[1:]
-    s = f"mean KLD {fmt_kld(first['kld_mean'])}"
-    if is_num(first.get("kld_p99")):
-        s += f" (p99 {fmt_kld(first['kld_p99'])})"
-    if is_num(first.get("top1_agreement")):
-        s += f", top-1 agreement {fmt_share(first['top1_agreement'])}"
-    s += f" at depth {first['context']}"
+    s = f"mean KLD {fmt_kld(first.kld_mean)}"
+    if is_num(first.kld_p99):
+        s += f" (p99 {fmt_kld(first.kld_p99)})"
+    if is_num(first.top1_agreement):
+        s += f", top-1 agreement {fmt_share(first.top1_agreement)}"
+    s += f" at depth {first.context}"
     if rest:
-        s += " (" + ", ".join(f"{fmt_kld(d['kld_mean'])} at {d['context']}" for d in rest) + ")"
+        s += " (" + ", ".join(f"{fmt_kld(d.kld_mean)} at {d.context}" for d in rest) + ")"
     return s
 
 
-def _continuation_words(q: dict) -> Optional[str]:
-    c = q.get("continuation") or {}
-    share, n = c.get("identical_share"), c.get("prompts")
+def _continuation_words(q: Quality) -> Optional[str]:
+    share, n = q.continuation.identical_share, q.continuation.prompts
     if not is_num(share) or not n:
         return None
-    return f"{round(share * n)}/{n} greedy continuations identical"
+    return f"{round(share * n)}/{n} greedy continuations identical"  # type: ignore[operator]
 
 
 def quality_findings(aggregate: Aggregate) -> list[Finding]:
@@ -128,18 +117,18 @@ def quality_findings(aggregate: Aggregate) -> list[Finding]:
     for (backend, _model), group in groups.items():
         seen: set[str] = set()
         for r in group:
-            q = _quality(r)
+            q = r.quality
             if q is None or _kv(r) in seen:
                 continue
             seen.add(_kv(r))
-            base = str((q.get("baseline") or {}).get("kv") or "")
-            det = q.get("determinism") or {}
-            if det.get("deterministic") is False:
+            base = str(q.baseline.kv or "")
+            det = q.determinism
+            if det.deterministic is False:
                 out.append(Finding(
                     "quality_nondeterministic",
-                    f"{backend_name(backend)}: the {base} baseline did not reproduce itself ({det.get('summary')}): "
+                    f"{backend_name(backend)}: the {base} baseline did not reproduce itself ({det.summary}): "
                     f"{r.label}'s drift figures include that nondeterminism.",
-                    str(r.scenario), (r.label,), {"determinism": det}))
+                    str(r.scenario), (r.label,), {"determinism": det.to_json()}))
             if _kv(r) == base:
                 continue
             parts = [p for p in (_capacity_words(group, _kv(r), base, r), _speed_words(group, _kv(r), base),
@@ -150,6 +139,6 @@ def quality_findings(aggregate: Aggregate) -> list[Finding]:
                 "quality_trade",
                 f"{backend_name(backend)} {_kv(r)} KV vs {base}: " + ", ".join(parts) + f" ({r.label}).",
                 str(r.scenario), (r.label,),
-                {"kv": _kv(r), "baseline_kv": base, "depths": ok_depths(q),
-                 "continuation": q.get("continuation")}))
+                {"kv": _kv(r), "baseline_kv": base, "depths": [d.to_json() for d in q.ok_depths],
+                 "continuation": q.continuation.to_json()}))
     return out

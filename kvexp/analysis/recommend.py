@@ -48,9 +48,9 @@ def slo_text(slo: Optional[SLO]) -> str:
 def quality_summary(run: Run) -> Optional[dict[str, float]]:
     """The numbers of a run's `quality` block that say what its KV dtype costs (KL divergence,
     agreement, perplexity), top level or one level down; None without a block."""
-    q = run.quality
-    if not isinstance(q, dict):
+    if run.quality is None:
         return None
+    q = run.quality.to_json()  # every number it holds, whatever the block's producer called it
     out: dict[str, float] = {}
 
     def take(prefix: str, d: dict) -> None:
@@ -77,7 +77,7 @@ def _levels_by_x(run: Run, kind: str) -> dict[float, list[Level]]:
 
 
 def _kind(run: Run) -> str:
-    kind = (run.search or {}).get("kind")
+    kind = run.search.kind if run.search is not None else None
     if kind in search.KINDS:
         return str(kind)
     return "rate" if any(is_num(lv.rate) for lv in run.levels) else "concurrency"
@@ -90,7 +90,7 @@ def capacity(run: Run, slo: SLO) -> dict[str, Any]:
     obj = search.Objectives(kind, slo.slo_ttft_ms, slo.slo_tpot_ms, slo.percentile)
     by_x = _levels_by_x(run, kind)
     probes = [search.evaluate(x, lvs, obj) for x, lvs in sorted(by_x.items())]
-    cap = run.search.get("answer") if run.search and run.objectives == slo else search.grid_answer(probes)
+    cap = run.search.answer if run.search is not None and run.objectives == slo else search.grid_answer(probes)
     level = run.level_at((kind, cap)) if cap is not None else None
     miss = miss_at = miss_what = None
     if probes and cap is None:

@@ -10,12 +10,13 @@ from typing import Any, Optional
 from kvexp.analysis.documents import is_num
 from kvexp.capacity.planner import kv_bytes_per_token
 from kvexp.planning.recompute import kvexp_tokens
+from kvexp.results import blocks
+from kvexp.results.blocks import CalibrationRow
 from kvexp.results.runs import Aggregate, Run
 
 
-def num(d: dict, key: str) -> Optional[float]:
+def num(v: Any) -> Optional[float]:
     """A number of a planner block or a calibration row (None: missing, or not a number)."""
-    v = d.get(key)
     return float(v) if is_num(v) else None
 
 
@@ -44,20 +45,16 @@ class RunPlan:
     window_bytes_per_sequence: Optional[float] = None  # a windowed model's fixed part (None: no window)
 
 
-def _plan_levels(rows: Any) -> tuple[PlanLevel, ...]:
-    out = []
-    for row in rows or []:
-        if isinstance(row, dict) and is_num(row.get("concurrency")):
-            u = row.get("predicted_kv_usage")
-            out.append(PlanLevel(float(row["concurrency"]), float(u) if is_num(u) else None,
-                                 row.get("predicts_preemption"), row.get("predicts_queueing")))
+def _plan_levels(rows: list[blocks.PlanRow]) -> tuple[PlanLevel, ...]:
+    out = [PlanLevel(float(row.concurrency), num(row.predicted_kv_usage),  # type: ignore[arg-type]
+                     row.predicts_preemption, row.predicts_queueing) for row in rows if is_num(row.concurrency)]
     return tuple(sorted(out, key=lambda p: p.x))
 
 
-def _calibration_row(run: Run, aggregate: Aggregate) -> Optional[dict]:
+def _calibration_row(run: Run, aggregate: Aggregate) -> Optional[CalibrationRow]:
     kv = run.kv_cache.dtype or run.kv_requested
     for row in aggregate.calibration or []:
-        if isinstance(row, dict) and row.get("model") == run.model and kv and row.get("kv_cache_dtype") == kv:
+        if row.model == run.model and kv and row.kv_cache_dtype == kv:
             return row
     return None
 
@@ -68,14 +65,14 @@ def run_plan(run: Run, aggregate: Aggregate) -> Optional[RunPlan]:
     prompt + max tokens, usage capped at 100 % as the planner does)."""
     label = run.label
     p = run.planner
-    if isinstance(p, dict):
-        cal = p.get("calibrated") if isinstance(p.get("calibrated"), dict) else {}
+    if p is not None:
+        cal = p.calibrated or blocks.Plan()
         return RunPlan(
-            label, "run planner", num(p, "kv_bytes_per_token"), num(p, "capacity_tokens"),
-            num(p, "max_concurrency_before_preemption"), _plan_levels(p.get("levels")),
-            num(cal, "capacity_tokens"), num(cal, "max_concurrency_before_preemption"),
-            _plan_levels(cal.get("levels")), num(p, "request_tokens"), num(p, "max_concurrent_requests"),
-            num(p, "kv_cache_bytes"), num(p, "kv_window_bytes_per_sequence") if num(p, "sliding_window") else None)
+            label, "run planner", num(p.kv_bytes_per_token), num(p.capacity_tokens),
+            num(p.max_concurrency_before_preemption), _plan_levels(p.levels),
+            num(cal.capacity_tokens), num(cal.max_concurrency_before_preemption),
+            _plan_levels(cal.levels), num(p.request_tokens), num(p.max_concurrent_requests),
+            num(p.kv_cache_bytes), p.window_bytes_per_sequence)
     from_levels = tuple(sorted((PlanLevel(float(lv.concurrency), float(lv.predicted_kv_usage), None)
                                 for lv in run.merged_levels()
                                 if is_num(lv.predicted_kv_usage) and is_num(lv.concurrency)), key=lambda p: p.x))
@@ -84,7 +81,7 @@ def run_plan(run: Run, aggregate: Aggregate) -> Optional[RunPlan]:
     row = _calibration_row(run, aggregate)
     prompt = float(run.prompt_tokens) if is_num(run.prompt_tokens) else None
     out_tok = float(run.max_tokens) if is_num(run.max_tokens) else None
-    if row is None or not num(row, "predicted_tokens") or prompt is None or out_tok is None:
+    if row is None or not num(row.predicted_tokens) or prompt is None or out_tok is None:
         return None
     per_req = prompt + out_tok
 
@@ -95,14 +92,14 @@ def run_plan(run: Run, aggregate: Aggregate) -> Optional[RunPlan]:
         return tuple(PlanLevel(c, min(1.0, c * per_req / cap), c * per_req > cap) for c in xs)
 
     mine = kvexp_tokens(row, aggregate)
-    cap, ccap = (mine if mine is not None else num(row, "predicted_tokens")), num(row, "calibrated_tokens")
+    cap, ccap = (mine if mine is not None else num(row.predicted_tokens)), num(row.calibrated_tokens)
     bpt = None
-    pl = aggregate.planner or {}
-    arch = (pl.get("models") or {}).get(row.get("preset") or "")
-    kvb = (pl.get("kv_bytes") or {}).get(row.get("kv_cache_dtype"))
-    dims = ("n_layers", "n_kv_heads", "head_dim")
-    if isinstance(arch, dict) and is_num(kvb) and all(is_num(arch.get(k)) for k in dims):
-        bpt = kv_bytes_per_token(arch["n_layers"], arch["n_kv_heads"], arch["head_dim"], kvb)
+    pl = aggregate.planner or blocks.PlannerConstants()
+    arch = pl.models.get(row.preset or "")
+    kvb = (pl.kv_bytes or {}).get(str(row.kv_cache_dtype))
+    dims = arch.dims if arch is not None else None
+    if dims is not None and is_num(kvb):
+        bpt = kv_bytes_per_token(*dims, kvb)
     return RunPlan(
         label, "calibration table", bpt, cap, math.floor(cap / per_req) if cap else None, levels_for(cap),
         ccap, math.floor(ccap / per_req) if ccap else None, levels_for(ccap), per_req)

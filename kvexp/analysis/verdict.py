@@ -23,13 +23,14 @@ measured under other load is not called one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvexp.analysis import comparable, conditions as C, documents as D, noise, recommend
-from kvexp.analysis.qualityfindings import fmt_kld, ok_depths
+from kvexp.analysis.qualityfindings import fmt_kld
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
+from kvexp.results.doc import Doc
 from kvexp.results.runs import SLO, Aggregate, Run
 
 # A mean KL divergence (nats per token, against the 16-bit cache) above which a KV dtype's drift is
@@ -47,26 +48,23 @@ class Candidate:
     drift: Optional[tuple[float, int]]  # (mean KLD, depth)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    scenario: str
-    choice: tuple[str, ...]  # short names of the configuration(s) to run; () when nothing can be said
-    why: str
-    caveat: str
+@dataclass(slots=True, frozen=True)
+class Verdict(Doc):
+    """One scenario's verdict (an aggregate's `verdicts`)."""
+
+    NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {"choice": tuple, "excluded": tuple}
+
+    scenario: str = ""
+    choice: tuple[str, ...] = ()  # short names of the configuration(s) to run; () when nothing can be said
+    why: str = ""
+    caveat: str = ""
     excluded: tuple[str, ...] = ()  # "llama.cpp q8_0 (label): not compared, because ...", one per run left out
+    present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
 
     @property
     def sentence(self) -> str:
         left = ("; ".join(self.excluded) + ".") if self.excluded else ""
         return " ".join(s for s in (self.why, self.caveat, left) if s)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "choice": list(self.choice), "why": self.why, "caveat": self.caveat,
-                "excluded": list(self.excluded)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Verdict":
-        return cls(d["scenario"], tuple(d["choice"]), d["why"], d["caveat"], tuple(d.get("excluded") or ()))
 
 
 def short_names(runs: list[Run]) -> dict[str, str]:
@@ -96,12 +94,8 @@ def short_names(runs: list[Run]) -> dict[str, str]:
 
 def drift(run: Run) -> Optional[tuple[float, int]]:
     """(mean KLD, depth) at the deepest depth the run's quality block measured."""
-    q = run.quality
-    depths = [d for d in ok_depths(q) if is_num(d.get("context"))] if isinstance(q, dict) else []
-    if not depths:
-        return None
-    d = max(depths, key=lambda d: d["context"])
-    return float(d["kld_mean"]), int(d["context"])
+    d = run.quality.deepest if run.quality is not None else None
+    return None if d is None else (float(d.kld_mean), int(d.context))  # type: ignore[arg-type]
 
 
 def kv_key(run: Run) -> tuple[str, str, Optional[str]]:
@@ -198,9 +192,10 @@ def _memory_words(first: Candidate, others: list[Candidate]) -> str:
 def _window_words(run: Run) -> str:
     """For a sliding-window model, what its bytes per token are made of: the global layers' bytes per
     token and one sequence's window, as its planner block sized them ("" for other models)."""
-    p = run.planner or {}
-    per_token, window = _number(p, "kv_bytes_per_token"), _number(p, "kv_window_bytes_per_sequence")
-    if not _number(p, "sliding_window") or per_token is None or window is None:
+    p = run.planner
+    per_token = p.kv_bytes_per_token if p is not None else None
+    window = p.window_bytes_per_sequence if p is not None else None
+    if not is_num(per_token) or window is None:
         return ""
     return (f" it holds (a sliding-window model: {per_token:,.0f} bytes per token in its global layers "
             f"+ {window / (1 << 20):,.2f} MiB of window a sequence)")
@@ -211,11 +206,6 @@ def _drift_words(c: Candidate) -> str:
         return ""
     above = f", above the {DRIFT_LIMIT:g} at which drift is visible" if c.drift[0] > DRIFT_LIMIT else ""
     return f"mean KLD {fmt_kld(c.drift[0])} at depth {c.drift[1]}{above}"
-
-
-def _number(d: dict, key: str) -> Optional[float]:
-    v = d.get(key)
-    return float(v) if is_num(v) else None
 
 
 # KV dtypes that are not quantised: choosing one costs no quality worth measuring.

@@ -36,7 +36,9 @@ from kvexp.metrics.levels import Level, kv_peak, level_warnings, workload_warnin
 from kvexp.planning import calibration, prediction
 from kvexp.quality import measure as quality
 from kvexp.quality.inputs import check_inputs
-from kvexp.results.documents import BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo
+from kvexp.results.blocks import Plan, Search, Workload
+from kvexp.results.documents import (BackendInfo, GPUInfo, JobResult, KVAsked, KVCache, ModelInfo, ScenarioInfo,
+                                    Timing)
 from kvexp.results.store import (REQUESTS_FILE, RESULT_FILE, config_hash, environment, finished_levels, keep_requests,
                                  previous_result, spec_of, utc_now, write_json, write_jsonl)
 from kvexp.results.validate import SCHEMA_VERSION
@@ -54,6 +56,7 @@ class Job:
     out_dir: Path
     result: JobResult = field(default_factory=JobResult)
     kept: dict[float, list[Level]] = field(default_factory=dict)  # level value -> its repeats kept (resume)
+    client: Optional[dict[str, Any]] = None  # the client as the environment records it, over the levels so far
 
     @property
     def result_path(self) -> Path:
@@ -102,7 +105,7 @@ def new_result(cfg: ExperimentConfig, backend: Optional[Adapter]) -> JobResult:
                               api=s.api),
         gpu=GPUInfo(name=cfg.gpu.name or gi.name, memory_gib=cfg.gpu.memory_gib or gi.memory_gib, driver=gi.driver),
         environment=environment({"event_loop": type(asyncio.get_event_loop_policy()).__name__}),
-        config=plain, config_hash=config_hash(plain), timing={}, requests_file=REQUESTS_FILE)
+        config=plain, config_hash=config_hash(plain), timing=Timing(), requests_file=REQUESTS_FILE)
 
 
 def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] = None,
@@ -130,7 +133,9 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
     if not cfg.resume:
         (out_dir / REQUESTS_FILE).unlink(missing_ok=True)
     res = job.result
-    timing, env = res.timing, res.environment  # (JSON blocks: their keys are this module's)
+    if res.timing is None:  # a resumed result that recorded none
+        res.timing = Timing()
+    timing, env = res.timing, res.environment  # (the environment: its keys are this module's)
     log_path = out_dir / "server.log"
     server: Optional[Server] = None
     # the model's files are read here, once, before any server runs: nothing slow on the event loop
@@ -155,7 +160,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
             b.endpoint, b.launch_command, b.env, b.reused_server = (
                 server.base_url, server.launch_command, server.process.env or None, reused)
             b.ready_s, b.server_log = round(server.ready_s, 3), str(server.process.log_path)
-            timing["server_start_s"] = 0.0 if reused else round(server.ready_s, 3)
+            timing.server_start_s = 0.0 if reused else round(server.ready_s, 3)
         server_pid = server.process.pid if server else None
         env["placement"] = backend.placement.to_json(placement.tree_cpus(server_pid))
         job.save()
@@ -185,7 +190,7 @@ def run_job(cfg: ExperimentConfig, out_dir: Path, observer: Optional[Observer] =
         if said.exists() and (res.status != "complete" or any(lv.errors for lv in res.levels)):
             res.backend.log_tail = tail(said, 20)
         res.finished_at = utc_now()
-        timing["total_s"] = round(time.monotonic() - t0, 3)
+        timing.total_s = round(time.monotonic() - t0, 3)
         reserve.release()
         job.save()
         if server is not None and (own_pool or res.status != "complete"):
@@ -253,6 +258,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                    arch: Optional[ModelArch]) -> None:
     cfg, res = job.cfg, job.result
     timing = res.timing
+    assert timing is not None  # (run_job's)
     s = cfg.scenario
     max_conn = client_connections(s)
     headers = auth_headers(cfg)
@@ -262,7 +268,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         res.backend.version = await backend.version(session)
         t = time.monotonic()
         if await backend.preload(session):  # a lazily loading server (Ollama) prints its KV lines after a load
-            timing["model_load_s"] = round(time.monotonic() - t, 3)
+            timing.model_load_s = round(time.monotonic() - t, 3)
         # the server's own VRAM accounting (Ollama's /api/ps)
         res.backend.loaded_models = await backend.loaded_models(session)
         log_text = await _server_log(backend, server)
@@ -273,7 +279,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
         res.planner = _planner_block(backend, res, arch, log_text)
         lg = LoadGenerator(session, backend, observer)
         maker = await Traffic.create(backend, session, s, job.out_dir)
-        res.workload = maker.describe()
+        res.workload = Workload.from_json(maker.describe())
         job.save()
         sampler = MemorySampler(server.process.pid if server else None, cfg.gpu.index, cfg.gpu.sample_interval_s)
         sampler.start()
@@ -285,7 +291,7 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                 warm = (await maker.level(s.warmup_requests, level=0, repeat=0, warmup=True)).requests
                 await lg.closed_loop(warm, min(s.warmup_requests, max(s.concurrency or [1])))
                 write_jsonl(job.out_dir / REQUESTS_FILE, (r.to_json() for _, r in warm))
-            timing["warmup_s"] = round(time.monotonic() - tw, 3)
+            timing.warmup_s = round(time.monotonic() - tw, 3)
             tm = time.monotonic()
             obj = search.objectives(s)
             searcher = search.Search(obj, search.scenario_grid(s), lambda: res.levels) if obj else None
@@ -308,9 +314,10 @@ async def _measure(job: Job, backend: Adapter, server: Optional[Server], observe
                     _check_alive(server)  # a server that died says so, rather than that it stopped answering
                     raise_if_hung(level)
             _check_alive(server)
-            timing["measure_s"] = round(time.monotonic() - tm, 3)
+            timing.measure_s = round(time.monotonic() - tm, 3)
             if searcher is not None and searcher.step is not None:
-                res.search = search.result_block(searcher.step, obj, searcher.candidates, timing["measure_s"])
+                res.search = Search.from_json(search.result_block(searcher.step, obj, searcher.candidates,
+                                                                  timing.measure_s))
         finally:
             sampler.stop()
             gauges.stop()
@@ -402,7 +409,7 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
     level.server = backend.server_view(records, counters_before, counters_after)
     level.delivery = stats.delivery(records)
     level.peak_kv_cache_usage, level.kv_usage_sampled_peak = kv_peak(level.peak_kv_cache_usage, level.preemptions)
-    bursts = bool(level.delivery["bursts"])
+    bursts = bool(level.value("delivery.bursts"))
     limits = stats.client_limits(run.loop_lag_p99_ms, None if bursts else level.itl_p50_ms, run.cpu_util)
     level.client_limited = bool(limits)
     if hung:
@@ -428,8 +435,8 @@ async def _run_level(job: Job, backend: Adapter, session: aiohttp.ClientSession,
         scenario.reuses_cache(s), cache_reset, bool(job.result.levels) or s.warmup_requests > 0,
         work.size - len(records) if work.conversations and not hung else 0,
         len(maker.entries) if s.dataset else None, s.requests)
-    env = job.result.environment
-    env["client"] = client_environment(run, client.workers, client.event_loop, env.get("client"))
+    job.client = client_environment(run, client.workers, client.event_loop, job.client)
+    job.result.environment["client"] = job.client
     return level
 
 
@@ -450,12 +457,12 @@ def _caps(s: Any) -> Optional[str]:
     return f"the scenario's {held} held them back" if held else None
 
 
-def _predicted_usage(plan: Optional[dict[str, Any]], concurrency: Optional[int]) -> Optional[float]:
+def _predicted_usage(plan: Optional[Plan], concurrency: Optional[int]) -> Optional[float]:
     """The planner's predicted KV usage at this concurrency, the most it can be where lengths vary (None:
     no plan or no such level)."""
-    for row in (plan or {}).get("levels") or []:
-        if concurrency is not None and row.get("concurrency") == concurrency:
-            return row.get("predicted_kv_usage_max", row.get("predicted_kv_usage"))
+    for row in plan.levels if plan is not None else []:
+        if concurrency is not None and row.concurrency == concurrency:
+            return row.predicted_kv_usage_max if row.predicted_kv_usage_max is not None else row.predicted_kv_usage
     return None
 
 
@@ -525,13 +532,13 @@ def _model_arch(backend: Adapter) -> Optional[ModelArch]:
 
 
 def _planner_block(backend: Adapter, res: JobResult, arch: Optional[ModelArch],
-                   log_text: str = "") -> Optional[dict[str, Any]]:
+                   log_text: str = "") -> Optional[Plan]:
     """The planner's prediction for the server that was launched, beside what will be measured
     (None if it cannot plan); its log so far gives the buffers it allocated at start (a CPU's RSS)."""
     try:
-        return prediction.predict(backend.cfg, backend.spec, gpu_name=res.gpu.name,
-                                  gpu_gib=res.gpu.memory_gib, calibration=calibration.load(), arch=arch,
-                                  server_log=log_text or None)
+        return Plan.from_json(prediction.predict(backend.cfg, backend.spec, gpu_name=res.gpu.name,
+                                                 gpu_gib=res.gpu.memory_gib, calibration=calibration.load(),
+                                                 arch=arch, server_log=log_text or None))
     except (ValueError, OSError, KeyError, calibration.CalibrationError) as e:
         log.warning("planner: no prediction for %s: %s", res.label, e)
         return None

@@ -187,14 +187,13 @@ class Level:
         return {w.code for w in self.warnings}
 
     def value(self, key: str) -> Any:
-        """A figure by registry key; a dotted key reads a nested block ("server.tpot_p50_ms")."""
-        head, dot, rest = key.partition(".")
-        if head not in _LEVEL_KEY_SET:
-            return None
-        v = getattr(self, head)
-        if not dot:
-            return v
-        return v.get(rest) if isinstance(v, dict) else None
+        """A figure by registry key; a dotted key reads a nested block ("server.tpot_p50_ms",
+        "workload.arrival_error_ms.p99")."""
+        head, *rest = key.split(".")
+        v = getattr(self, head) if head in _LEVEL_KEY_SET else None
+        for part in rest:
+            v = v.get(part) if isinstance(v, dict) else None
+        return v
 
     def number(self, key: str) -> Optional[float]:
         """A figure as a float (None: missing, or not a finite number)."""
@@ -340,9 +339,9 @@ def level_warnings(level: Level, done: Sequence[Any], forced: bool,
                               f"{_pct(predicted_kv_usage)}: the server holds more than the requests need, or the "
                               "plan describes another cache", {"peak": peak, "predicted": predicted_kv_usage}))
     d = level.delivery or {}
-    server_p50 = (level.server or {}).get("tpot_p50_ms")
-    server_tpot = server_p50 or (level.server or {}).get("tpot_mean_ms")
-    if d.get("bursts"):
+    server_p50 = level.value("server.tpot_p50_ms")
+    server_tpot = server_p50 or level.value("server.tpot_mean_ms")
+    if level.value("delivery.bursts"):
         w.append(LevelWarning("bursts", f"server streamed in bursts ({d['tokens_per_chunk']:g} tokens per chunk, "
                               f"{d['multi_token_chunk_share'] * 100:.0f} % of chunks multi-token): client TPOT/ITL "
                               "reflect delivery, not decoding" + (f"; the server's TPOT is {server_tpot:g} ms"

@@ -23,6 +23,7 @@ from kvexp.capacity.planner import (DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILI
                                     ModelArch, canonical_kv_dtype, capacity_from_kv_bytes, kv_bytes_per_element,
                                     kv_bytes_per_token, overhead_for_capacity, vllm_capacity_tokens)
 from kvexp.core.paths import atomic_write, cache_dir
+from kvexp.results.blocks import PlanInputs
 from kvexp.results.documents import JobResult
 from kvexp.results.runs import Run
 
@@ -87,13 +88,13 @@ def measurement_from_run(run: Measured, arch: Optional[ModelArch] = None) -> Opt
         backend, kv_asked, model = run.backend, None, run.model
         gpu_name, gpu_gib, preset = run.gpu, run.gpu_gib, None
     kv = run.kv_cache
-    plan_inputs = (run.planner or {}).get("inputs") or {}
-    kv_dtype = kv.dtype or plan_inputs.get("kv_dtype") or kv_asked
+    plan_inputs = (run.planner.inputs if run.planner is not None else None) or PlanInputs()
+    kv_dtype = kv.dtype or plan_inputs.kv_dtype or kv_asked
     if not backend or not kv_dtype:
         return None
 
     def pick(key: str) -> Any:
-        v = plan_inputs.get(key)
+        v = getattr(plan_inputs, key)
         return getattr(arch, key, None) if v is None and arch is not None else v
 
     dtype_bytes = pick("dtype_bytes")
@@ -110,9 +111,9 @@ def measurement_from_run(run: Measured, arch: Optional[ModelArch] = None) -> Opt
         peaks = [lv.peak_server_gpu_gib for lv in run.levels if lv.peak_server_gpu_gib is not None]
     util = kv.gpu_memory_utilization
     if util is None:
-        util = plan_inputs.get("gpu_memory_utilization")
+        util = plan_inputs.gpu_memory_utilization
     if gpu_gib is None:
-        gpu_gib = plan_inputs.get("gpu_gib")
+        gpu_gib = plan_inputs.gpu_gib
     started = run.started_at or ""
     return Measurement(
         backend=str(backend), model=(None if model is None else str(model)) or (arch.name if arch else "") or "",
@@ -120,9 +121,9 @@ def measurement_from_run(run: Measured, arch: Optional[ModelArch] = None) -> Opt
         weights_gib=pick("weights_gib"), kv_bytes_per_token=bpt, gpu_memory_utilization=util,
         block_size=kv.block_size, actual_tokens=actual, kv_cache_bytes=kv.bytes,
         peak_vram_gib=max(peaks) if peaks else None,
-        preset=preset or plan_inputs.get("model") or (arch.name if arch else None),
+        preset=preset or plan_inputs.model or (arch.name if arch else None),
         dtype_bytes=dtype_bytes, job_id=None if run.label is None else f"{run.label}@{started}",
-        kv_cache_memory_bytes=plan_inputs.get("kv_cache_memory_bytes"),
+        kv_cache_memory_bytes=plan_inputs.kv_cache_memory_bytes,
     )
 
 

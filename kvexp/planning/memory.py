@@ -6,9 +6,10 @@ MemoryCheck out."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from kvexp.metrics.levels import Level
+from kvexp.results.blocks import Plan
 from kvexp.results.documents import JobResult
 
 MIB = 1 << 20
@@ -54,8 +55,7 @@ class MemoryCheck:
                                                          if self.gpu_planned else "")
 
 
-def _num(d: Mapping[str, Any], key: str) -> Optional[float]:
-    v = d.get(key)
+def _num(v: Any) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -64,15 +64,14 @@ def job_memory_check(job: JobResult) -> Optional[MemoryCheck]:
     return memory_check(job.planner, job.levels, bool(job.gpu.memory_gib or job.gpu.name))
 
 
-def memory_check(plan: Optional[Mapping[str, Any]], measured_levels: Sequence[Level],
-                 on_gpu: bool) -> Optional[MemoryCheck]:
+def memory_check(plan: Optional[Plan], measured_levels: Sequence[Level], on_gpu: bool) -> Optional[MemoryCheck]:
     """The prediction in a run's planner block against its levels' measured peaks (None: no prediction).
     on_gpu: the run names a GPU (else its memory is the RSS of the server's processes)."""
-    if not isinstance(plan, Mapping) or _num(plan, "predicted_peak_memory_gib") is None:
+    if plan is None or _num(plan.predicted_peak_memory_gib) is None:
         return None
-    gpu_planned = plan.get("memory_measure") is None and not on_gpu  # before the planner knew the CPU
-    rss = plan.get("memory_measure") == "rss" or gpu_planned
-    rows = {_num(r, "concurrency"): r for r in plan.get("levels") or [] if isinstance(r, Mapping)}
+    gpu_planned = plan.memory_measure is None and not on_gpu  # before the planner knew the CPU
+    rss = plan.memory_measure == "rss" or gpu_planned
+    rows = {_num(r.concurrency): r for r in plan.levels}
     levels = []
     for lv in measured_levels:
         if lv.failed:
@@ -80,20 +79,20 @@ def memory_check(plan: Optional[Mapping[str, Any]], measured_levels: Sequence[Le
         x = lv.number("concurrency")
         measured = lv.number("peak_rss_gib") if rss else (lv.number("peak_server_gpu_gib")
                                                           or lv.number("peak_vram_gib"))
-        row = rows.get(x) or {}
-        predicted = (_num(row, "predicted_rss_gib") if rss and not gpu_planned
-                     else _num(plan, "predicted_peak_memory_gib"))
+        row = rows.get(x)
+        predicted = (_num(row.predicted_rss_gib if row else None) if rss and not gpu_planned
+                     else _num(plan.predicted_peak_memory_gib))
         levels.append(LevelMemory(x, predicted, measured))
     measured = [lv.measured_gib for lv in levels if lv.measured_gib is not None]
-    cpu = plan.get("cpu_memory") if rss and isinstance(plan.get("cpu_memory"), Mapping) else {}
+    cpu = plan.cpu_memory if rss else None
     parts: tuple[tuple[str, Optional[float]], ...] = ()
-    if cpu:
-        parts = tuple((name, _num(cpu, key)) for name, key in (
+    if cpu is not None:
+        parts = tuple((name, _num(getattr(cpu, key))) for name, key in (
             ("runtime", "runtime_bytes"), ("weights", "weights_bytes"), ("buffers", "buffers_bytes"),
             ("KV cache", "kv_cache_bytes"), ("prompt cache", "prompt_cache_bytes")))
-    return MemoryCheck("rss" if rss else "vram", _num(plan, "predicted_peak_memory_gib"),
+    return MemoryCheck("rss" if rss else "vram", _num(plan.predicted_peak_memory_gib),
                        max(measured) if measured else None, tuple(levels), parts,
-                       cpu.get("saved_prompts") if cpu else None, gpu_planned)
+                       cpu.saved_prompts if cpu is not None else None, gpu_planned)
 
 
 def parts_words(check: MemoryCheck) -> str:

@@ -95,14 +95,14 @@ def cpu_rss(cfg: ExperimentConfig, spec: ServerSpec, arch: ModelArch, out: dict[
     server allocates at start are read from its log (None before it starts)."""
     prompt, output = scenario.mean_lengths(cfg.scenario)
     tokens = max(1, round(prompt + output) - 1)  # the last token is sampled, never decoded into the cache
-    bpt = out.get("kv_bytes_per_token")
-    state = None if bpt is None else cpumemory.state_bytes(tokens, bpt, out.get("kv_window_bytes_per_token"),
-                                                             out.get("sliding_window"))
+    bpt = out["kv_bytes_per_token"]  # (plan_job's keys, each there, None where unknown)
+    state = None if bpt is None else cpumemory.state_bytes(tokens, bpt, out["kv_window_bytes_per_token"],
+                                                             out["sliding_window"])
     done = requests_done(cfg)
     weights = None if arch.weights_gib is None else arch.weights_gib * planner.GIB_BYTES
     cpu = cpumemory.predict_rss(spec.cpu_memory, vocab=arch.vocab_size, merges=arch.vocab_merges,  # type: ignore[arg-type]
                                 weights_bytes=weights,
-                                kv_cache_bytes=out.get("kv_cache_bytes"), slots=spec.slots or 1,
+                                kv_cache_bytes=out["kv_cache_bytes"], slots=spec.slots or 1,
                                 levels=[(n, row["concurrency"]) for n, row in zip(done, out["levels"])],
                                 request_state_bytes=state, prompt_tokens=prompt,
                                 buffers=adapter_class(spec.backend).logged_buffers(server_log) if server_log else None)

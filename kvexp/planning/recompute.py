@@ -12,11 +12,12 @@ defaults. Pure: no file is read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from kvexp.backends import find
 from kvexp.capacity import planner
 from kvexp.capacity.planner import CacheModel, ModelArch
+from kvexp.results.blocks import CalibrationRow, PlanInputs, PlannerConstants
 from kvexp.results.runs import Aggregate
 
 
@@ -36,7 +37,7 @@ class Check:
     actual_tokens: Optional[int]
     agrees: Optional[bool]
     reason: Optional[str] = None
-    inputs: Mapping[str, Any] = field(default_factory=dict)  # planner inputs, for a what-if
+    inputs: PlanInputs = field(default_factory=PlanInputs)  # planner inputs, for a what-if
 
     @property
     def kvexp_error_pct(self) -> Optional[float]:
@@ -64,30 +65,29 @@ def _num(x: Any) -> Optional[float]:
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def row_backend(row: Mapping[str, Any], aggregate: Aggregate) -> Optional[str]:
+def row_backend(row: CalibrationRow, aggregate: Aggregate) -> Optional[str]:
     """The backend a calibration row describes: its own field, else its runs' (same model, KV dtype)."""
-    if row.get("backend"):
-        return str(row["backend"])
+    if row.backend:
+        return str(row.backend)
     for run in aggregate.runs:
-        if str(run.model) == str(row.get("model")) and run.kv_cache.dtype == row.get("kv_cache_dtype") and run.backend:
+        if str(run.model) == str(row.model) and run.kv_cache.dtype == row.kv_cache_dtype and run.backend:
             return str(run.backend)
     return None
 
 
-def _arch(row: Mapping[str, Any], pl: Mapping[str, Any]) -> tuple[Optional[ModelArch], Optional[str]]:
-    preset = row.get("preset")
-    models = pl.get("models") if isinstance(pl.get("models"), Mapping) else {}
-    m = models.get(preset) if preset else None
-    if isinstance(m, Mapping) and all(_num(m.get(k)) is not None for k in ("n_layers", "n_kv_heads", "head_dim")):
-        return ModelArch(int(m["n_layers"]), int(m["n_kv_heads"]), m["head_dim"], _num(m.get("params_b")),
-                         _num(row.get("weights_gib")), name=preset,
+def _arch(row: CalibrationRow, pl: PlannerConstants) -> tuple[Optional[ModelArch], Optional[str]]:
+    preset = row.preset
+    m = pl.models.get(preset) if preset else None
+    dims = m.dims if m is not None else None
+    if m is not None and dims is not None:
+        return ModelArch(int(dims[0]), int(dims[1]), dims[2], _num(m.params_b), _num(row.weights_gib), name=preset,
                          sources={"n_layers": "document's preset"}), None
     if preset in planner.PRESETS:
-        return ModelArch.from_preset(preset, _num(row.get("weights_gib"))), None
+        return ModelArch.from_preset(preset, _num(row.weights_gib)), None
     return None, f"preset {preset!r} is neither in the document's planner block nor one of kvexp's"
 
 
-def check_row(index: int, row: Mapping[str, Any], aggregate: Aggregate,
+def check_row(index: int, row: CalibrationRow, aggregate: Aggregate,
               cache_for: Any = None) -> Check:
     """Recompute one calibration row. cache_for: backend name -> CacheModel or None (default: the
     adapter registry's declared cache models)."""
@@ -96,13 +96,13 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Aggregate,
             a = find(name)
             return a.cache_model if a is not None else None
 
-    pl = aggregate.planner if isinstance(aggregate.planner, Mapping) else {}
+    pl = aggregate.planner or PlannerConstants()
     backend = row_backend(row, aggregate)
-    kv = row.get("kv_cache_dtype")
-    doc = _num(row.get("predicted_tokens"))
-    base = dict(index=index, model=row.get("model"), preset=row.get("preset"), backend=backend, kv_dtype=kv,
-                gpu_gib=_num(row.get("gpu_gib")), document_tokens=None if doc is None else int(doc),
-                actual_tokens=None if _num(row.get("actual_tokens")) is None else int(row["actual_tokens"]))
+    kv = row.kv_cache_dtype
+    doc, actual = _num(row.predicted_tokens), _num(row.actual_tokens)
+    base = dict(index=index, model=row.model, preset=row.preset, backend=backend, kv_dtype=kv,
+                gpu_gib=_num(row.gpu_gib), document_tokens=None if doc is None else int(doc),
+                actual_tokens=None if actual is None else int(actual))
 
     def fail(reason: str) -> Check:
         return Check(**base, kvexp_tokens=None, agrees=None, reason=reason)
@@ -117,30 +117,28 @@ def check_row(index: int, row: Mapping[str, Any], aggregate: Aggregate,
         return fail(why or "no architecture")
     if not kv or base["gpu_gib"] is None or arch.weights_gib is None:
         return fail("the row lacks its KV dtype, GPU size or weights")
-    kv_bytes = pl.get("kv_bytes") if isinstance(pl.get("kv_bytes"), Mapping) else {}
+    kv_bytes = pl.kv_bytes if isinstance(pl.kv_bytes, dict) else {}
     dtype_bytes = _num(kv_bytes.get(planner.AUTO_KV_DTYPE)) if kv == planner.AUTO_KV_DTYPE else None
     arch = ModelArch(arch.n_layers, arch.n_kv_heads, arch.head_dim, arch.params_b, arch.weights_gib, None,
                      dtype_bytes, arch.sources, arch.name)
     try:
         p = planner.plan_job(arch, str(kv), cache, base["gpu_gib"], prompt_tokens=1, max_tokens=0, levels=[],
-                             gpu_memory_utilization=_num(row.get("gpu_memory_utilization")) or _num(
-                                 pl.get("gpu_memory_utilization")),
-                             block_size=_num(pl.get("block_size")), overhead_gib=_num(pl.get("overhead_gib")))
+                             gpu_memory_utilization=_num(row.gpu_memory_utilization) or _num(pl.gpu_memory_utilization),
+                             block_size=_num(pl.block_size), overhead_gib=_num(pl.overhead_gib))
     except ValueError as e:
         return fail(str(e))
     mine = p["capacity_tokens"]
     return Check(**base, kvexp_tokens=mine, agrees=None if doc is None else int(doc) == mine,
-                 inputs={**p["inputs"], "backend": backend, "block_size": p["block_size"]})
+                 inputs=PlanInputs.from_json({**p["inputs"], "backend": backend, "block_size": p["block_size"]}))
 
 
 def check_document(aggregate: Aggregate) -> list[Check]:
     """Every calibration row of the aggregate, recomputed by kvexp's planner."""
     rows = aggregate.calibration or []
     # a row without a GPU size (a CPU run) holds no prediction to recompute: a GPU's capacity needs its size
-    return [check_row(i, r, aggregate) for i, r in enumerate(rows) if isinstance(r, Mapping)
-            and r.get("gpu_gib") is not None]
+    return [check_row(i, r, aggregate) for i, r in enumerate(rows) if r.gpu_gib is not None]
 
 
-def kvexp_tokens(row: Mapping[str, Any], aggregate: Aggregate) -> Optional[int]:
+def kvexp_tokens(row: CalibrationRow, aggregate: Aggregate) -> Optional[int]:
     """kvexp's own predicted capacity for one calibration row (None: it cannot be recomputed)."""
     return check_row(0, row, aggregate).kvexp_tokens

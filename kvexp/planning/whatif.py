@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
@@ -34,6 +34,7 @@ from kvexp.capacity import planner
 from kvexp.capacity.planner import CacheModel, ModelArch
 from kvexp.core.paths import data_dir
 from kvexp.planning.calibration import _norm, lookup_overhead_gib
+from kvexp.results.blocks import Plan, PlanInputs
 
 USER_SET = "backend."  # a source that starts with this was set by the user (backend.block_size, ...)
 
@@ -99,51 +100,53 @@ def overhead_for(table: Optional[Mapping[str, Any]], backend: str, gpu_name: Opt
 # One configuration on one GPU (pure)
 
 
-def _arch(inputs: Mapping[str, Any]) -> ModelArch:
-    return ModelArch(inputs.get("n_layers"), inputs.get("n_kv_heads"), inputs.get("head_dim"),
-                     inputs.get("params_b"), inputs.get("weights_gib"), inputs.get("weight_bits"),
-                     inputs.get("dtype_bytes"), {}, inputs.get("model"),
-                     sliding_window=inputs.get("model_sliding_window"), sliding_layers=inputs.get("sliding_layers"))
+def _arch(inputs: PlanInputs) -> ModelArch:
+    return ModelArch(inputs.n_layers, inputs.n_kv_heads, inputs.head_dim, inputs.params_b, inputs.weights_gib,
+                     inputs.weight_bits, inputs.dtype_bytes, {}, inputs.model,
+                     sliding_window=inputs.model_sliding_window, sliding_layers=inputs.sliding_layers)
 
 
-def _server_slots(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel,
+def _user_set(sources: Mapping[str, str], key: str) -> bool:
+    """Whether the user set this input (its source is a backend.* option)."""
+    return str(sources.get(key, "")).startswith(USER_SET)
+
+
+def _server_slots(inputs: PlanInputs, sources: Mapping[str, str], cache: CacheModel,
                   gpu: GPUPreset) -> Optional[int]:
     """Sequences a paged server runs at once on `gpu`: the user's backend.parallel, else the server's
     own default for that GPU (vLLM's max_num_seqs); a value kvexp derived from one sweep's levels
     describes that sweep, not the GPU asked about. None: not limited."""
-    if str(sources.get("parallel", "")).startswith(USER_SET) and inputs.get("parallel"):
-        return int(inputs["parallel"])
+    if _user_set(sources, "parallel") and inputs.parallel:
+        return int(inputs.parallel)
     if cache.gpu_default_slots is not None and gpu.memory_gib is not None:
         return cache.gpu_default_slots(gpu.memory_gib, gpu.name)
     return cache.default_slots
 
 
-def _fixed_slots(inputs: Mapping[str, Any], cache: CacheModel) -> int:
+def _fixed_slots(inputs: PlanInputs, cache: CacheModel) -> int:
     """The slots a fixed-slot server (llama.cpp -np, OLLAMA_NUM_PARALLEL) runs: what the configuration
     launches with (backend.parallel, else the scenario's highest concurrency), else the server's default."""
-    return int(inputs.get("parallel") or cache.default_slots or 1)
+    return int(inputs.parallel or cache.default_slots or 1)
 
 
-def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
+def _fit(inputs: PlanInputs, sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
          overhead_gib: float) -> tuple[Optional[int], Optional[int], Optional[bool], bool, Optional[int]]:
     """(KV tokens, concurrent requests before preemption/queueing, the configuration fits, the server's
     cap on sequences at once (vLLM --max-num-seqs, llama.cpp/Ollama slots) is what limits the concurrent
     requests, the whole requests the memory alone would hold)."""
     arch = _arch(inputs)
-    kv = str(inputs.get("kv_dtype"))
+    kv = str(inputs.kv_dtype)
     gpu_gib = float(gpu.memory_gib or 0)
-    prompt, out = int(inputs.get("prompt_tokens") or 0), int(inputs.get("max_tokens") or 0)
+    prompt, out = int(inputs.prompt_tokens or 0), int(inputs.max_tokens or 0)
     request = prompt + out
     if cache.paged:
-        user = lambda key: str(sources.get(key, "")).startswith(USER_SET)  # noqa: E731
         slots = _server_slots(inputs, sources, cache, gpu)
         p = planner.plan_job(
             arch, kv, cache, gpu_gib, prompt_tokens=prompt, max_tokens=out, levels=[],
-            gpu_memory_utilization=inputs.get("gpu_memory_utilization"),
-            context=inputs.get("context_tokens"), parallel=slots,
-            block_size=inputs.get("block_size") if user("block_size") else None, overhead_gib=overhead_gib,
-            tensor_parallel=int(inputs.get("tensor_parallel") or 1),
-            kv_cache_memory_bytes=inputs.get("kv_cache_memory_bytes") if user("kv_cache_memory_bytes") else None)
+            gpu_memory_utilization=inputs.gpu_memory_utilization, context=inputs.context_tokens, parallel=slots,
+            block_size=inputs.block_size if _user_set(sources, "block_size") else None, overhead_gib=overhead_gib,
+            tensor_parallel=int(inputs.tensor_parallel or 1), kv_cache_memory_bytes=inputs.kv_cache_memory_bytes
+            if _user_set(sources, "kv_cache_memory_bytes") else None)
         pool, served = p["max_concurrency_before_preemption"], p["max_concurrent_requests"]
         capped = slots is not None and pool is not None and served is not None and pool > served
         return p["capacity_tokens"], served, p["fits"], capped, pool
@@ -163,7 +166,7 @@ def _fit(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheMode
         held > slots, held
 
 
-def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
+def what_if(inputs: PlanInputs, sources: Mapping[str, str], cache: CacheModel, gpu: GPUPreset,
             calibration: Optional[Mapping[str, Any]] = None, *, backend: Optional[str] = None) -> dict[str, Any]:
     """One what-if row (JSON-ready; None where unknown): gpu, gpu_name, gpu_gib, backend, model,
     kv_dtype, request_tokens, paged, limit ("preemption" | "queueing"; "max_num_seqs": a paged server's
@@ -171,13 +174,12 @@ def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheM
     memory does), max_num_seqs (that cap), slots (llama.cpp/Ollama), kv_tokens, max_concurrent (capped by
     either), memory_concurrent (the whole requests the memory alone holds), fits, overhead_gib, and the same three with the calibrated overhead (calibrated_overhead_gib,
     calibrated_from: the GPU(s) it was measured on, calibrated_kv_tokens, calibrated_max_concurrent)."""
-    backend = backend or str(inputs.get("backend") or cache.name)
-    overhead = inputs.get("overhead_gib")
-    overhead = planner.DEFAULT_OVERHEAD_GIB if overhead is None else float(overhead)
+    backend = backend or str(inputs.backend or cache.name)
+    overhead = planner.DEFAULT_OVERHEAD_GIB if inputs.overhead_gib is None else float(inputs.overhead_gib)
     row: dict[str, Any] = {
         "gpu": gpu.key, "gpu_name": gpu.name, "gpu_gib": gpu.memory_gib, "backend": backend,
-        "model": inputs.get("model"), "kv_dtype": inputs.get("kv_dtype"),
-        "request_tokens": (inputs.get("prompt_tokens") or 0) + (inputs.get("max_tokens") or 0),
+        "model": inputs.model, "kv_dtype": inputs.kv_dtype,
+        "request_tokens": (inputs.prompt_tokens or 0) + (inputs.max_tokens or 0),
         "paged": cache.paged, "limit": "preemption" if cache.paged else "queueing",
         "max_num_seqs": None, "slots": None, "overhead_gib": overhead, "kv_tokens": None, "max_concurrent": None,
         "memory_concurrent": None, "fits": None,
@@ -196,21 +198,21 @@ def what_if(inputs: Mapping[str, Any], sources: Mapping[str, str], cache: CacheM
         row["slots"] = _fixed_slots(inputs, cache)
         if capped:
             row["limit"] = "slots"
-    cal, where = overhead_for(calibration, backend, gpu.name, str(inputs.get("kv_dtype")), inputs.get("dtype_bytes"))
+    cal, where = overhead_for(calibration, backend, gpu.name, str(inputs.kv_dtype), inputs.dtype_bytes)
     if cal is not None:
         row["calibrated_overhead_gib"], row["calibrated_from"] = round(cal, 4), where
         row["calibrated_kv_tokens"], row["calibrated_max_concurrent"], _, _, _ = _fit(inputs, sources, cache, gpu, cal)
     return row
 
 
-def from_plan(plan: Mapping[str, Any], cache: CacheModel) -> tuple[dict[str, Any], dict[str, str], CacheModel, str]:
-    """A what-if configuration from a planner block (result["planner"], prediction.predict): its
+def from_plan(plan: Plan, cache: CacheModel) -> tuple[PlanInputs, dict[str, str], CacheModel, str]:
+    """A what-if configuration from a planner block (a result's planner, prediction.predict): its
     inputs with the block size it used, its sources, the cache model and the backend's name."""
-    inputs = {**(plan.get("inputs") or {}), "block_size": plan.get("block_size")}
-    return inputs, dict(plan.get("sources") or {}), cache, str(inputs.get("backend") or cache.name)
+    inputs = replace(plan.inputs or PlanInputs(), block_size=plan.block_size)
+    return inputs, dict(plan.sources or {}), cache, str(inputs.backend or cache.name)
 
 
-def what_if_rows(configs: Iterable[tuple[Mapping[str, Any], Mapping[str, str], CacheModel, str]],
+def what_if_rows(configs: Iterable[tuple[PlanInputs, Mapping[str, str], CacheModel, str]],
                  gpus: Iterable[GPUPreset], calibration: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
     """what_if for every (planner inputs, sources, cache model, backend) x GPU, GPU by GPU."""
     configs = list(configs)

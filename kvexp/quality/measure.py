@@ -20,7 +20,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 
@@ -29,6 +29,7 @@ from kvexp.core.config import ExperimentConfig
 from kvexp.quality import continuations, perplexity, prompt_logprobs, stats as qs
 from kvexp.quality.cache import baseline_kv, cache_key, key_parts, quality_cache_dir, write_json
 from kvexp.quality.job import QualityJob, teacher_forced_null
+from kvexp.results.blocks import Continuation, Quality, TeacherForced
 from kvexp.results.documents import JobResult
 
 log = logging.getLogger("kvexp")
@@ -39,12 +40,12 @@ def wanted(cfg: ExperimentConfig) -> bool:
     return cfg.quality.enabled or cfg.scenario.kind == "quality"
 
 
-def missing(cfg: ExperimentConfig, block: Any) -> bool:
+def missing(cfg: ExperimentConfig, block: Optional[Quality]) -> bool:
     """A job that wants quality but whose result has no quality block (`block`) yet (e.g. interrupted in it)."""
-    return wanted(cfg) and not isinstance(block, dict)
+    return wanted(cfg) and block is None
 
 
-def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) -> dict[str, Any]:
+def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) -> Quality:
     """The `quality` block of a job's result: teacher-forced drift per depth, greedy-continuation
     agreement, the baseline's determinism check; null figures where the backend cannot expose them,
     with the reason. The job's server must be running (backend.base_url)."""
@@ -70,7 +71,7 @@ def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) 
         block["continuation"] = continuations.continuation_null(q, reason)
         block["warnings"].append(reason)
         block["duration_s"] = round(time.monotonic() - t0, 3)
-        return block
+        return Quality.from_json(block)
     tool = perplexity.perplexity_binary(backend) if backend.teacher_forced == "perplexity_tool" else None
     parts = key_parts(cfg, res, backend, text_sha, base_dtype, tool)
     key = cache_key(parts)
@@ -100,33 +101,33 @@ def measure(cfg: ExperimentConfig, res: JobResult, backend: Any, out_dir: Path) 
         block["teacher_forced"] = teacher_forced_null(f"{name}'s API returns no log-probabilities of given text "
                                                       "(only of generated tokens)")
     block["continuation"] = asyncio.run(continuations.continuation(job))
-    block["determinism"] = _determinism(block)
+    tf = TeacherForced.from_json(block["teacher_forced"])
+    block["determinism"] = _determinism(tf, Continuation.from_json(block["continuation"]))
     if block["determinism"]["deterministic"] is False:
         job.warnings.append("the 16-bit baseline does not reproduce itself (" + block["determinism"]["summary"]
                             + "): drift figures include this nondeterminism")
     block["baseline"]["measured_by_this_job"] = job.measured
     block["baseline"]["cached"] = not job.measured
-    for d in (block["teacher_forced"] or {}).get("depths") or []:
-        if d.get("status") in ("skipped", "failed"):
-            job.warnings.append(f"teacher-forced depth {d['context']} {d['status']}: {d.get('reason')}")
+    for d in tf.depths:
+        if d.status in ("skipped", "failed"):
+            job.warnings.append(f"teacher-forced depth {d.context} {d.status}: {d.reason}")
     for w in job.warnings:  # on the terminal too, not only in the result
         log.warning("%s: quality: %s", res.label or cfg.model.name, w)
     block["warnings"] = job.warnings
     block["duration_s"] = round(time.monotonic() - t0, 3)
-    return block
+    return Quality.from_json(block)
 
 
-def _determinism(block: dict[str, Any]) -> dict[str, Any]:
+def _determinism(tf: TeacherForced, cont: Continuation) -> dict[str, Any]:
     """The baseline against itself: largest self-KLD and lowest self top-1 over the depths, and the
     share of its continuations that came out identical twice."""
-    depths = [d for d in (block["teacher_forced"] or {}).get("depths") or [] if d.get("self_kld_mean") is not None]
-    kld = max((d["self_kld_mean"] for d in depths), default=None)
-    top1s = [d["self_top1_agreement"] for d in depths if d.get("self_top1_agreement") is not None]
+    depths = [d for d in tf.depths if d.self_kld_mean is not None]
+    kld = max((d.self_kld_mean for d in depths), default=None)  # type: ignore[type-var]
+    top1s = [d.self_top1_agreement for d in depths if d.self_top1_agreement is not None]
     top1 = min(top1s) if top1s else None
-    ident = (block["continuation"] or {}).get("self_identical_share")
+    ident = cont.self_identical_share
     verdict = qs.deterministic(kld, top1, ident)
-    reruns = [d.get("rerun_identical") for d in (block["teacher_forced"] or {}).get("depths") or []
-              if d.get("rerun_identical") is not None]
+    reruns = [d.rerun_identical for d in tf.depths if d.rerun_identical is not None]
     if False in reruns:
         verdict = False
     bits = []

@@ -5,6 +5,7 @@ the calibration table with kvexp's own recomputation, and the what-if table on o
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Optional
 
 from kvexp import backends
@@ -16,6 +17,7 @@ from kvexp.planning import recompute, whatif
 from kvexp.planning.memory import memory_check, parts_words
 from kvexp.planning.calibration import CalibrationError, load as load_calibration
 from kvexp.report.tables import Table, drop_empty, level_cell
+from kvexp.results.blocks import PlannerConstants
 from kvexp.results.runs import Aggregate
 
 log = logging.getLogger(__name__)
@@ -24,11 +26,11 @@ MIB = 1 << 20
 
 def planner_view(agg: Aggregate) -> dict:
     """The planner section's constants and tables, as strings."""
-    pl = agg.planner if isinstance(agg.planner, dict) else {}
+    pl = agg.planner or PlannerConstants()
     constants: list[tuple[str, str]] = []
     names = {"gpu_memory_utilization": "GPU memory utilisation", "overhead_gib": "Overhead (GiB)",
              "block_size": "Block size (tokens)"}
-    for k, v in pl.items():
+    for k, v in (agg.planner.to_json() if agg.planner is not None else {}).items():  # as the document has them
         if k in ("gib", "models", "kv_bytes"):
             continue
         if k in ("gpu_memory_utilization", "overhead_gib") and not _has_gpu(agg):
@@ -37,25 +39,19 @@ def planner_view(agg: Aggregate) -> dict:
             constants.append((names[k], f"{v * 100:.0f} %"))
         elif not isinstance(v, (dict, list)):
             constants.append((names.get(k, k), format_value(k, v)))
-    kvb = pl.get("kv_bytes") if isinstance(pl.get("kv_bytes"), dict) else {}
+    kvb = pl.kv_bytes if isinstance(pl.kv_bytes, dict) else {}
     if kvb:
         constants.append(("KV bytes per element", ", ".join(f"{k} {format_value('b', v)}" for k, v in kvb.items())))
 
     presets = None
-    models = pl.get("models") if isinstance(pl.get("models"), dict) else {}
-    if models:
+    if pl.models:
         rows = []
-        for name, m in models.items():
-            if not isinstance(m, dict):
-                continue
-            per_tok = []
-            if all(is_num(m.get(k)) for k in ("n_layers", "n_kv_heads", "head_dim")):
-                for dt, b in kvb.items():
-                    if is_num(b):
-                        bpt = kv_bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], b)
-                        per_tok.append(f"{dt} {bpt / 1024:.1f}")
-            rows.append([str(name), format_value("n", m.get("n_layers")), format_value("n", m.get("n_kv_heads")),
-                         format_value("n", m.get("head_dim")), format_value("params_b", m.get("params_b")),
+        for name, m in pl.models.items():
+            dims = m.dims
+            per_tok = [f"{dt} {kv_bytes_per_token(*dims, b) / 1024:.1f}" for dt, b in kvb.items()
+                       if dims is not None and is_num(b)]
+            rows.append([name, format_value("n", m.n_layers), format_value("n", m.n_kv_heads),
+                         format_value("n", m.head_dim), format_value("params_b", m.params_b),
                          ", ".join(per_tok) or "—"])
         presets = Table(["Preset", "Layers", "KV heads", "Head dim", "Params (B)", "KV KiB/token"], rows,
                         [False, True, True, True, True, False])
@@ -124,10 +120,10 @@ def planner_view(agg: Aggregate) -> dict:
     if preemption is not None:
         preemption = drop_empty(preemption, keep=2)
 
-    cal = [row for row in agg.calibration or [] if isinstance(row, dict)]
+    cal = agg.calibration or []
     calibration = None
     if cal:
-        has_cal = any(row.get("calibrated_tokens") is not None for row in cal)
+        has_cal = any(row.calibrated_tokens is not None for row in cal)
         cols = [("model", "Model", False), ("preset", "Preset", False), ("backend", "Backend", False),
                 ("kv_cache_dtype", "KV", False), ("gpu_gib", "GPU (GiB)", True), ("weights_gib", "Weights (GiB)", True),
                 ("gpu_memory_utilization", "GPU mem. util. (%)", True),
@@ -136,17 +132,17 @@ def planner_view(agg: Aggregate) -> dict:
         if has_cal:
             cols += [("calibrated_tokens", "Calibrated (tokens)", True),
                      ("calibrated_error_pct", "Calibrated error (%)", True)]
-        cols = [c for c in cols if c[0] != "backend" or any(row.get("backend") for row in cal)]
-        cols = [c for c in cols if c[0] != "gpu_memory_utilization" or any(is_num(row.get("gpu_gib")) for row in cal)]
+        cols = [c for c in cols if c[0] != "backend" or any(row.backend for row in cal)]
+        cols = [c for c in cols if c[0] != "gpu_memory_utilization" or any(is_num(row.gpu_gib) for row in cal)]
         checks = {c.index: c for c in recompute.check_document(agg)}
         rows = []
         for i, row in enumerate(cal):
-            vals = dict(row)
-            actual = vals.get("actual_tokens")
+            vals = {k: getattr(row, k) for k, _, _ in cols}
+            actual = row.actual_tokens
             for pred, err in (("predicted_tokens", "error_pct"), ("calibrated_tokens", "calibrated_error_pct")):
-                if vals.get(err) is None and is_num(vals.get(pred)) and is_num(actual) and actual:
-                    vals[err] = (vals[pred] - actual) / actual * 100
-            rows.append([format_value(k, vals.get(k)) for k, _, _ in cols] + _check_cells(checks.get(i)))
+                if err in vals and vals[err] is None and is_num(getattr(row, pred)) and is_num(actual) and actual:
+                    vals[err] = (getattr(row, pred) - actual) / actual * 100
+            rows.append([format_value(k, vals[k]) for k, _, _ in cols] + _check_cells(checks.get(i)))
         calibration = Table([h for _, h, _ in cols] + list(CHECK_HEADERS), rows,
                             [n for _, _, n in cols] + [True, True, False], kind="wide")
     return {"constants": constants, "presets": presets, "capacity": capacity, "preemption": preemption,
@@ -164,7 +160,7 @@ def memory_view(agg: Aggregate) -> Optional[Table]:
     rows = []
     for _, sruns in agg.scenarios():
         for r in sruns:
-            c = memory_check(r.planner, r.levels, bool(r.gpu or r.gpu_gib)) if r.planner else None
+            c = memory_check(r.planner, r.levels, bool(r.gpu or r.gpu_gib))
             if c is None:
                 continue
             err = c.error_pct
@@ -202,16 +198,16 @@ def _whatif_configs(agg: Aggregate) -> list[tuple[tuple, Optional[str]]]:
             continue
         p = r.planner
         configs = []
-        if isinstance(p, dict) and isinstance(p.get("inputs"), dict):
+        if p is not None and p.inputs is not None:
             configs.append(whatif.from_plan(p, adapter.cache_model))
         for c in checks:
             if (c.backend == adapter.name and str(c.model) == str(r.model)
                     and r.kv_cache.dtype == c.kv_dtype and is_num(r.prompt_tokens)):
-                inputs = {**c.inputs, "prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens or 0}
+                inputs = replace(c.inputs, prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens or 0)
                 configs.append((inputs, {}, adapter.cache_model, adapter.name))
         for cfg in configs:
             i = cfg[0]
-            key = (cfg[3], i.get("model"), i.get("kv_dtype"), i.get("prompt_tokens"), i.get("max_tokens"))
+            key = (cfg[3], i.model, i.kv_dtype, i.prompt_tokens, i.max_tokens)
             out.setdefault(key, (cfg, str(r.scenario)))
     return list(out.values())
 

@@ -11,10 +11,11 @@ from kvexp.analysis.card import CARD_HEADERS, card_rows, kv_cards
 from kvexp.analysis.documents import backend_name
 from kvexp.analysis.qualityfindings import fmt_kld, fmt_share
 from kvexp.analysis.verdict import kv_key, kv_lookups, short_names
-from kvexp.metrics.registry import format_value, is_num
+from kvexp.metrics.registry import format_value
 from kvexp.report import charts as C
 from kvexp.report.scenario_view import CHART_RUNS
 from kvexp.report.tables import Table, drop_empty
+from kvexp.results.blocks import QualityDepth
 from kvexp.results.runs import Aggregate
 
 
@@ -45,7 +46,7 @@ def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path
     """The quality section: one row per run and context depth (teacher-forced drift from the 16-bit KV
     baseline, beside the run's KV capacity and its continuation agreement) and a chart of mean KLD
     against context depth; None when no run measured quality."""
-    runs = [r for r in agg.runs if isinstance(r.quality, dict)]
+    runs = [r for r in agg.runs if r.quality is not None]
     if not runs:
         return None
     headers = ["Run", "KV", "Baseline", "Depth", "Positions", "Mean KLD", "Median KLD", "p99 KLD", "Top-1 agree",
@@ -57,33 +58,33 @@ def quality_view(agg: Aggregate, colours: dict[str, str], png_dir: Optional[Path
     one_each = len(runs) > CHART_RUNS
     for r in runs:
         q = r.quality
-        tf, cont, base = q.get("teacher_forced") or {}, q.get("continuation") or {}, q.get("baseline") or {}
-        if tf.get("method"):
-            methods[tf["method"]] = tf.get("precision")
-        depths = tf.get("depths") or [{}]
+        if q is None:  # (runs holds none such)
+            continue
+        tf, cont, base = q.teacher_forced, q.continuation, q.baseline
+        if tf.method:
+            methods[tf.method] = tf.precision
         cap = r.kv_cache.capacity_tokens
-        src = "cache" if base.get("cached") else ("this job" if base.get("measured_by_this_job") else "—")
-        for d in depths:
-            status = d.get("status")
+        src = "cache" if base.cached else ("this job" if base.measured_by_this_job else "—")
+        for d in tf.depths or [QualityDepth()]:
             rows.append([
-                r.label, str(q.get("kv")), str(base.get("kv")),
-                format_value("context", d.get("context")), format_value("positions", d.get("positions")),
-                fmt_kld(d.get("kld_mean")), fmt_kld(d.get("kld_median")), fmt_kld(d.get("kld_p99")),
-                fmt_share(d.get("top1_agreement")), format_value("ppl", d.get("ppl_base")),
-                format_value("ppl", d.get("ppl")), format_value("delta_ppl", d.get("delta_ppl")),
-                format_value("capacity_tokens", cap), fmt_share(cont.get("identical_share")),
-                format_value("first_diff", cont.get("first_diff_mean")), fmt_share(cont.get("prefix_agreement")),
+                r.label, str(q.kv), str(base.kv),
+                format_value("context", d.context), format_value("positions", d.positions),
+                fmt_kld(d.kld_mean), fmt_kld(d.kld_median), fmt_kld(d.kld_p99),
+                fmt_share(d.top1_agreement), format_value("ppl", d.ppl_base),
+                format_value("ppl", d.ppl), format_value("delta_ppl", d.delta_ppl),
+                format_value("capacity_tokens", cap), fmt_share(cont.identical_share),
+                format_value("first_diff", cont.first_diff_mean), fmt_share(cont.prefix_agreement),
                 src])
-            if status and status != "ok":
-                notes.append(f"{r.label}, depth {d.get('context')}: {status}: {d.get('reason')}")
-        if tf.get("reason"):
-            notes.append(f"{r.label}: teacher-forced drift not measured: {tf['reason']}")
-        if cont.get("reason"):
-            notes.append(f"{r.label}: continuations: {cont['reason']}")
-        notes += [f"{r.label}: {w}" for w in q.get("warnings") or []]
-        pts = [(float(d["context"]), float(d["kld_mean"])) for d in tf.get("depths") or []
-               if d.get("status") == "ok" and is_num(d.get("kld_mean")) and d["kld_mean"] > 0]
-        if q.get("kv") == base.get("kv"):  # the baseline against itself: the method's floor, in the table
+            if d.status and d.status != "ok":
+                notes.append(f"{r.label}, depth {d.context}: {d.status}: {d.reason}")
+        if tf.reason:
+            notes.append(f"{r.label}: teacher-forced drift not measured: {tf.reason}")
+        if cont.reason:
+            notes.append(f"{r.label}: continuations: {cont.reason}")
+        notes += [f"{r.label}: {w}" for w in q.warnings or []]
+        pts = [(float(d.context), float(d.kld_mean))  # type: ignore[arg-type]
+               for d in q.ok_depths if d.kld_mean > 0]  # type: ignore[operator]
+        if q.kv == base.kv:  # the baseline against itself: the method's floor, in the table
             pts = []
         if pts and one_each and kv_key(r) in drawn:
             pts = []

@@ -180,7 +180,8 @@ def start_context(aggregate: Aggregate, title: Optional[str] = None, png_dir: Op
             "recommendations": [r["sentence"] for r in said["recommendations"]],
             "title": title or aggregate.title or default_title(aggregate),
             "rendered": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "kvexp_version": aggregate.kvexp_version or (aggregate.environment or {}).get("kvexp_version"),
+            "kvexp_version": aggregate.kvexp_version or (aggregate.environment.kvexp_version
+                                                         if aggregate.environment is not None else None),
             "findings": groups,
             "setup": setup_view(aggregate),
             "scenarios": scenarios,

@@ -16,6 +16,7 @@ from kvexp.metrics import registry
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import format_value, is_num
 from kvexp.report import charts as C
+from kvexp.results.blocks import Workload
 from kvexp.results.runs import Aggregate, Run
 from kvexp.report.tables import (ALWAYS, LATENCY_COLUMNS, LEVEL_COLUMNS, LOAD_COLUMNS, Table, header, level_cell,
                                  level_cells, numeric, uniq)
@@ -92,7 +93,7 @@ def _level_tables(runs: list[Run], warn_codes: dict[tuple[int, int], list[str]],
 
 def _reuses(run: Run) -> bool:
     """The run's workload reuses prompts on purpose (shared prefixes, conversations, a dataset, a trace)."""
-    return ((run.workload or {}).get("kind") or "synthetic") != "synthetic"
+    return run.workload is not None and (run.workload.kind or "synthetic") != "synthetic"
 
 
 def _lengths(s: Optional[dict]) -> str:
@@ -108,16 +109,17 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     out = []
     body = []
     for r, _, lv in rows:
-        w, pc, reset = lv.workload, lv.prefix_cache, lv.cache_reset
-        checked = w.get("prompts_checked") or 0
-        arrival = (w.get("arrival_error_ms") or {}).get("p99")
+        w = lambda key: lv.value(f"workload.{key}")  # noqa: E731
+        checked, arrival = w("prompts_checked") or 0, w("arrival_error_ms.p99")
         body.append([r.label, D.fmt_x(*lv.x) if lv.x else "—",
-                     _lengths(w["prompt_tokens"]["asked"]), _lengths(w["prompt_tokens"]["realised"]),
-                     _lengths(w["output_tokens"]["realised"]),
-                     f"{w['prompts_exact']}/{checked}" if checked else "—",
+                     _lengths(w("prompt_tokens.asked")), _lengths(w("prompt_tokens.realised")),
+                     _lengths(w("output_tokens.realised")),
+                     f"{w('prompts_exact')}/{checked}" if checked else "—",
                      level_cell(r, lv, "prefix_cache.hit_rate"),
-                     "—" if not pc else f"{pc['hit_tokens']:,}/{pc['queried_tokens']:,}",
-                     "—" if reset is None else ("yes" if reset["done"] else "no") + f": {reset['how']}",
+                     "—" if not lv.prefix_cache else
+                     f"{lv.value('prefix_cache.hit_tokens'):,}/{lv.value('prefix_cache.queried_tokens'):,}",
+                     "—" if lv.cache_reset is None else
+                     ("yes" if lv.value("cache_reset.done") else "no") + f": {lv.value('cache_reset.how')}",
                      "—" if arrival is None else f"{arrival:.2f}"])
     cols = ["Run", "Level", "Prompt asked (mean/p50/p99)", "Prompt realised", "Output realised", "Exact prompts",
             header("prefix_cache.hit_rate"), "Hit / looked-up tokens", "Cache reset before", "Arrival error p99 (ms)"]
@@ -127,7 +129,7 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     hist = []
     seen: set[str] = set()
     for r, _, lv in rows:  # one histogram per run: its first level's realised prompt lengths
-        bins = lv.workload.get("prompt_histogram") or []
+        bins = lv.value("workload.prompt_histogram") or []
         if r.label in seen or not bins:
             continue
         seen.add(r.label)
@@ -150,20 +152,20 @@ def _workload_tables(rows: list[tuple[Run, int, Level]]) -> list[tuple[str, Tabl
     return out
 
 
-def _workload_text(w: dict) -> str:
+def _workload_text(w: Workload) -> str:
     """The workload in a few words, for a scenario's description."""
-    parts = [str(w.get("kind"))]
-    pd = w.get("prompt_dist") or {}
-    if pd.get("kind", "fixed") != "fixed":
-        parts.append(f"prompt lengths {pd['kind']} (mean {pd['mean']:.0f})")
-    if w.get("prefix_tokens"):
-        parts.append(f"{w['prefix_groups']} shared prefix(es) of {w['prefix_tokens']} tokens")
-    if (w.get("turns") or 1) > 1:
-        parts.append(f"{w['turns']} turns, think time {w['think_time_s']:g} s")
-    for key in ("dataset", "trace"):
-        if w.get(key):
-            scale = f" x{w[key]['time_scale']:g}" if key == "trace" else ""
-            parts.append(f"{key} {Path(w[key]['file']).name}{scale}")
+    parts = [str(w.kind)]
+    pd = w.prompt_dist
+    if pd.varies:
+        parts.append(f"prompt lengths {pd.kind} (mean {pd.mean:.0f})")
+    if w.prefix_tokens:
+        parts.append(f"{w.prefix_groups} shared prefix(es) of {w.prefix_tokens} tokens")
+    if (w.turns or 1) > 1:
+        parts.append(f"{w.turns} turns, think time {w.think_time_s:g} s")
+    if w.dataset:
+        parts.append(f"dataset {Path(w.dataset['file']).name}")
+    if w.trace:
+        parts.append(f"trace {Path(w.trace['file']).name} x{w.trace['time_scale']:g}")
     return "workload: " + ", ".join(parts)
 
 
@@ -319,7 +321,7 @@ def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Fl
         legend_items = [{"label": lab, "colour": col, "glyph": C.MARKER_GLYPHS.get(m, "●")}
                         for lab, col, m in entries] if charts else []
         # a trace's or a dataset's own lengths, not the scenario's, are what was sent
-        own = [r for r in runs if (r.workload or {}).get("kind") not in ("trace", "dataset")]
+        own = [r for r in runs if r.workload is None or r.workload.kind not in ("trace", "dataset")]
         prompt = uniq(r.prompt_tokens for r in own)
         maxt = uniq(r.max_tokens for r in own)
         desc = []
@@ -327,8 +329,8 @@ def scenario_views(agg: Aggregate, colours: dict[str, str], warnings: list[FL.Fl
             desc.append(f"prompt {', '.join(map(str, prompt))} tokens")
         if maxt:
             desc.append(f"up to {', '.join(map(str, maxt))} output tokens")
-        desc += uniq(_workload_text(r.workload) for r in runs if _reuses(r) or
-                     ((r.workload or {}).get("prompt_dist") or {}).get("kind", "fixed") != "fixed")
+        desc += uniq(_workload_text(r.workload) for r in runs
+                     if r.workload is not None and (_reuses(r) or r.workload.prompt_dist.varies))
         ran = [r for r in runs if r.state != "skipped"]  # a skipped job is no run: it is listed apart
         desc.append(f"{len(ran)} run{'s' if len(ran) != 1 else ''}" + (f", {len(runs) - len(ran)} skipped"
                                                                       if len(ran) < len(runs) else ""))

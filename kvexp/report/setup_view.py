@@ -29,7 +29,7 @@ def device_text(aggregate: Aggregate) -> Optional[str]:
     gpus = uniq([aggregate.gpu, *(r.gpu for r in aggregate.runs)])
     if gpus:
         return ", ".join(map(str, gpus))
-    cpu = aggregate.environment.get("cpu") if isinstance(aggregate.environment, dict) else None
+    cpu = aggregate.environment.cpu if aggregate.environment is not None else None
     return f"CPU only: {cpu}" if cpu else None
 
 
@@ -97,8 +97,8 @@ def setup_view(agg: Aggregate) -> dict:
             facts.append((name, str(getattr(agg, key))))
 
     env_table = None
-    env = agg.environment
-    if isinstance(env, dict) and env:
+    env = agg.environment.to_json() if agg.environment is not None else {}
+    if env:  # every fact it holds, as it holds them
         env_table = Table(["Key", "Value"], [[str(k), _plain(v)] for k, v in env.items()], kind="kv")
 
     backend_rows = []
@@ -203,8 +203,8 @@ def _max_concurrency(run: Run) -> str:
     """One figure for a run's max concurrency: the planner's (requests of this scenario's size before
     preemption, as findings quote it), with the server's own beside it where it differs and why (vLLM
     sizes its figure for requests of its full context)."""
-    plan = run.planner if isinstance(run.planner, dict) else {}
-    ours, theirs = plan.get("max_concurrency_before_preemption"), run.kv_cache.max_concurrency
+    ours = run.planner.max_concurrency_before_preemption if run.planner is not None else None
+    theirs = run.kv_cache.max_concurrency
     if not is_num(ours):
         return format_value("max_concurrency", theirs)
     text = format_value("max_concurrency", ours)

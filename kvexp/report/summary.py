@@ -24,7 +24,8 @@ from kvexp.planning import memory, prediction, whatif
 from kvexp.report import pdf
 from kvexp.report.tables import Table, header, level_name, numeric, peak_table, text_table
 from kvexp.report.templating import environment
-from kvexp.results.documents import JobResult
+from kvexp.results.blocks import Plan, PlanInputs, PlanRow
+from kvexp.results.documents import JobResult, Timing
 from kvexp.results.runs import Aggregate
 from kvexp.results.store import RESULT_FILE, ResultError, load_document, write_json
 
@@ -68,15 +69,15 @@ def levels_table(levels: list[Level], status: Optional[str], foreign: bool = Fal
 
 def repeat_cell(level: Level, key: str) -> str:
     """A figure over a level's repeats: mean ± 95 % CI (CV), flagged when unstable."""
-    r = (level.repeats or {}).get(key)
-    if not isinstance(r, dict) or r.get("mean") is None:
+    mean, ci95, cv = (level.value(f"repeats.{key}.{k}") for k in ("mean", "ci95", "cv"))
+    if mean is None:
         return registry.UNKNOWN
-    text = f"{r['mean']:.4g}"
-    if r.get("ci95") is not None:
-        text += f" ± {r['ci95']:.2g}"
-    if r.get("cv") is not None:
-        text += f" (CV {r['cv'] * 100:.1f} %)"
-        if r["cv"] >= UNSTABLE_CV:
+    text = f"{mean:.4g}"
+    if ci95 is not None:
+        text += f" ± {ci95:.2g}"
+    if cv is not None:
+        text += f" (CV {cv * 100:.1f} %)"
+        if cv >= UNSTABLE_CV:
             text += " **unstable**"
     return text
 
@@ -84,7 +85,7 @@ def repeat_cell(level: Level, key: str) -> str:
 def repeats_table(levels: list[Level]) -> Optional[Table]:
     """The levels measured more than once: REPEAT_COLUMNS over their repeats and how many; None if none."""
     rows = [[level_name(lv), *(repeat_cell(lv, k) for k in REPEAT_COLUMNS),
-             registry.format_value("repeats", (lv.repeats.get("throughput_tok_s") or {}).get("n"))]
+             registry.format_value("repeats", lv.value("repeats.throughput_tok_s.n"))]
             for lv in levels if lv.repeats]
     if not rows:
         return None
@@ -145,10 +146,10 @@ def sweep_timing(results: Iterable[JobResult], wall_s: Optional[float] = None,
     if since is not None:
         earlier = [r for r in ran if (w := _when(r.finished_at)) and w < since.replace(microsecond=0)]
         ran = [r for r in ran if all(r is not e for e in earlier)]
-    t = [r.timing or {} for r in ran]
-    starts = [x.get("server_start_s") for x in t if x.get("server_start_s")]
+    t = [r.timing or Timing() for r in ran]
+    starts = [x.server_start_s for x in t if x.server_start_s]
     configs = {k for r in ran if (k := _server_key(r)) is not None}
-    total = {k: sum(x.get(k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
+    total = {k: sum(getattr(x, k) or 0.0 for x in t) for k in ("server_start_s", "warmup_s", "measure_s", "total_s")}
     slack = 0.0
     if wall_s is None:  # from stamps in whole seconds: allow for their rounding
         begun = [w for r in ran if (w := _when(r.started_at))]
@@ -266,16 +267,16 @@ def _fmt_int(x: Any) -> str:
     return "-" if x is None else f"{x:,}"
 
 
-def _fmt_levels(rows: list[dict[str, Any]]) -> str:
+def _fmt_levels(rows: list[PlanRow]) -> str:
     out = []
     for r in rows:
-        u = r["predicted_kv_usage"]
+        u = r.predicted_kv_usage
         tag = "" if u is None else f" {u:.0%}" if u >= 0.1 or u == 0 else f" {u:.1%}"
-        if r["predicts_preemption"]:
+        if r.predicts_preemption:
             tag += " preempts"
-        elif r["predicts_queueing"]:
+        elif r.predicts_queueing:
             tag += " queues"
-        out.append(f"{r['concurrency']}: {tag.strip() or '?'}")
+        out.append(f"{r.concurrency}: {tag.strip() or '?'}")
     return ", ".join(out) or "-"
 
 
@@ -304,29 +305,29 @@ def plan_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
             lines.append(head + f"| {e} |" + " |" * 10)
             continue
         conc_key = "max_concurrency_before_preemption" if spec.cache.paged else "max_concurrent_requests"
-        max_conc = p[conc_key]
-        c = p["calibrated"]
-        c_conc = None if c is None else c[conc_key]
-        peak = p["predicted_peak_memory_gib"]
-        rss = p.get("memory_measure") == "rss"  # on the CPU: the RSS of the server's processes
+        max_conc = getattr(p, conc_key)
+        c = p.calibrated
+        c_conc = None if c is None else getattr(c, conc_key)
+        peak = p.predicted_peak_memory_gib
+        rss = p.memory_measure == "rss"  # on the CPU: the RSS of the server's processes
         peak_s = "-" if peak is None else f"{peak:.2f}" + (" RSS" if rss else "") + (
-            " (does not fit)" if p["fits"] is False else "")
+            " (does not fit)" if p.fits is False else "")
         lines.append(
-            head + f"| {kv_per_token_words(p)} | {_fmt_int(p['capacity_tokens'])} | {_fmt_mib(p['kv_cache_bytes'])} "
-            f"| {_fmt_int(p['blocks'])} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p['levels'])} "
-            f"| {'-' if c is None else c['overhead_gib']} "
-            f"| {'-' if c is None else _fmt_int(c['capacity_tokens'])} | {_fmt_int(c_conc)} "
-            f"| {'-' if c is None else _fmt_levels(c['levels'])} |")
-        srcs = ", ".join(f"{k}: {v}" for k, v in sorted(p["sources"].items()))
-        inp = p["inputs"]
-        weights = "?" if inp["weights_gib"] is None else f"{inp['weights_gib']:.3f}"
+            head + f"| {kv_per_token_words(p)} | {_fmt_int(p.capacity_tokens)} | {_fmt_mib(p.kv_cache_bytes)} "
+            f"| {_fmt_int(p.blocks)} | {peak_s} | {_fmt_int(max_conc)} | {_fmt_levels(p.levels)} "
+            f"| {'-' if c is None else c.overhead_gib} "
+            f"| {'-' if c is None else _fmt_int(c.capacity_tokens)} | {_fmt_int(c_conc)} "
+            f"| {'-' if c is None else _fmt_levels(c.levels)} |")
+        srcs = ", ".join(f"{k}: {v}" for k, v in sorted((p.sources or {}).items()))
+        inp = p.inputs or PlanInputs()
+        weights = "?" if inp.weights_gib is None else f"{inp.weights_gib:.3f}"
         check = memory.memory_check(p, [], on_gpu=False) if rss else None
         if rss:
             parts = "—" if check is None else memory.parts_words(check)
             where = f"CPU (peak GiB: the RSS of the server's processes, {parts})"
         else:
-            gpu_gib = "?" if inp["gpu_gib"] is None else inp["gpu_gib"]
-            where = f"GPU {cfg.gpu.name or '?'} {gpu_gib} GiB, overhead {inp['overhead_gib']} GiB"
+            gpu_gib = "?" if inp.gpu_gib is None else inp.gpu_gib
+            where = f"GPU {cfg.gpu.name or '?'} {gpu_gib} GiB, overhead {inp.overhead_gib} GiB"
         note = f"- {cfg.model.name}/{cfg.backend.name}: {where}, weights {weights} GiB; sources: {srcs}"
         if note not in notes:
             notes.append(note)
@@ -339,20 +340,19 @@ def _fmt_mib(b: Optional[float]) -> str:
     return "-" if b is None else f"{b / (1 << 20):,.2f}"
 
 
-def kv_per_token_words(p: dict[str, Any]) -> str:
+def kv_per_token_words(p: Plan) -> str:
     """A plan's KV bytes per token; for a windowed model the per-token part (the global layers) and the
     fixed part (one sequence's window in the sliding layers), e.g. "3,072 + 15.00 MiB window/seq"."""
-    window = p.get("kv_window_bytes_per_sequence") if p.get("sliding_window") is not None else None
-    return _fmt_int(p.get("kv_bytes_per_token")) + registry.window_words(window)
+    return _fmt_int(p.kv_bytes_per_token) + registry.window_words(p.window_bytes_per_sequence)
 
 
-def _predicted(cfg: ExperimentConfig, calibration: dict | None, archs: dict[tuple[str, str], Any]) -> tuple[Any, dict]:
+def _predicted(cfg: ExperimentConfig, calibration: dict | None, archs: dict[tuple[str, str], Any]) -> tuple[Any, Plan]:
     """A config's launch spec and the planner's prediction for it (one model read per model and backend)."""
     spec = backends.create(cfg, locate=False).spec
     key = (cfg.model.name, cfg.backend.name)
     if key not in archs:
         archs[key] = prediction.model_arch(cfg, spec)
-    return spec, prediction.predict(cfg, spec, calibration=calibration, arch=archs[key])
+    return spec, Plan.from_json(prediction.predict(cfg, spec, calibration=calibration, arch=archs[key]))
 
 
 def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
@@ -373,7 +373,7 @@ def whatif_table(cfgs: list[ExperimentConfig], calibration: dict | None) -> str:
         inputs, sources, cache, backend = whatif.from_plan(p, spec.cache)
         row = whatif.what_if(inputs, sources, cache, gpu, calibration, backend=backend)
         rows.append((row, cfg.scenario.name))
-        if inputs.get("weights_gib") is None:
+        if inputs.weights_gib is None:
             note = f"- {cfg.model.name}/{cfg.backend.name}: weights unknown (set model.weights_gib or the model's file)"
             if note not in problems:
                 problems.append(note)

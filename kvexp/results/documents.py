@@ -1,100 +1,20 @@
-"""The file boundary of kvexp's documents: a class per shape, read from JSON (`from_json`) and written back
-(`to_json`) here, read by attribute everywhere above results/. The JSON Schemas in schema/ stay the contract
-for the files; these classes are what the code holds.
+"""A job's result (result.json, `JobResult`) and its blocks, typed: read from JSON (`from_json`) and written
+back (`to_json`) here, read by attribute everywhere above results/. The JSON Schemas in schema/ stay the
+contract for the files; these classes are what the code holds.
 
-A document read from a file writes back the keys it was read with (`present`) and those set since by
-`update`, so that an old file, or another tool's level, goes into an aggregate as it was; one built in
-code writes every field, null where unknown, but for the fields its schema does not let be null
-(NOT_NULL), which it leaves out while unknown.
-A field a document lacks is None: unknown, never 0.
-
-This module holds the shared machinery and a job's result (result.json, `JobResult`); results/runs.py
-holds a run as analysis and reports see it and the aggregate of runs."""
+results/doc.py holds the machinery every document shares (what is read is written back as it was);
+results/blocks.py the blocks whose shape is their producer's; results/runs.py a run as analysis and
+reports see it and the aggregate of runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
-
-_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _names(cls: type) -> tuple[str, ...]:
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple(f.name for f in fields(cls) if f.name != "present")
-    return names
-
-
-def _out(v: Any) -> Any:
-    if hasattr(v, "to_json"):
-        return v.to_json()
-    if isinstance(v, (list, tuple)):
-        return [_out(x) for x in v]
-    return v
-
-
-class Doc:
-    """What every document class shares: `from_json` (a JSON object in, its known keys read, nested blocks
-    made typed by NESTED) and `to_json` (the keys it was read with and those `update` set, or, built in
-    code, every field but the NOT_NULL ones that are unknown). Subclasses are dataclasses whose every field has a default and whose
-    last field is `present`."""
-
-    __slots__ = ()
-    NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
-    NOT_NULL: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def from_json(cls, d: Any) -> Any:
-        if not isinstance(d, Mapping):
-            d = {}
-        names = _names(cls)
-        kw: dict[str, Any] = {}
-        for n in names:
-            if n in d:
-                v, conv = d[n], cls.NESTED.get(n)
-                kw[n] = conv(v) if conv is not None and v is not None else v
-        return cls(**kw, present=frozenset(k for k in d if k in names))  # type: ignore[call-arg]
-
-    def update(self, **values: Any) -> None:
-        """Set fields, which to_json then writes (a document read from a file writes the keys it was read
-        with and these)."""
-        for n, v in values.items():
-            setattr(self, n, v)
-        present: Optional[frozenset[str]] = getattr(self, "present")
-        if present is not None:
-            setattr(self, "present", present | frozenset(values))
-
-    def own(self) -> Any:
-        """The document made the code's own, as if built here: from now on it writes every field (null where
-        unknown), and so do its blocks and levels (a resumed job's result, which the runner goes on
-        filling). Returns the document."""
-        setattr(self, "present", None)
-        for n in _names(type(self)):
-            v = getattr(self, n)
-            for x in v if isinstance(v, list) else [v]:
-                if isinstance(x, Doc):
-                    x.own()
-                elif isinstance(x, Level):
-                    x.present = None
-        return self
-
-    def to_json(self) -> dict[str, Any]:
-        present: Optional[frozenset[str]] = getattr(self, "present")
-        out = {}
-        for n in _names(type(self)):
-            v = getattr(self, n)
-            if (n in present) if present is not None else (v is not None or n not in self.NOT_NULL):
-                out[n] = _out(v)
-        return out
-
-
-def read_levels(v: Any) -> list[Level]:
-    """A document's levels, typed (an entry that is not an object is not a level and is left out)."""
-    return [Level.from_json(x) for x in v if isinstance(x, Mapping)] if isinstance(v, list) else []
+from kvexp.results.blocks import Plan, Quality, Search, Workload
+from kvexp.results.doc import Doc, _names, read_levels
 
 
 def _dict(v: Any) -> Optional[dict[str, Any]]:
@@ -212,15 +132,30 @@ class GPUInfo(Doc):
 
 
 @dataclass(slots=True)
+class Timing(Doc):
+    """result.json's `timing`: where the job's time went, in seconds, each left out until the runner sets it."""
+
+    NOT_NULL: ClassVar[tuple[str, ...]] = ("server_start_s", "model_load_s", "warmup_s", "measure_s", "total_s")
+
+    server_start_s: Optional[float] = None  # 0.0: a server an earlier job left running
+    model_load_s: Optional[float] = None  # a lazily loading server's (Ollama) first load
+    warmup_s: Optional[float] = None
+    measure_s: Optional[float] = None
+    total_s: Optional[float] = None
+    present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
+
+
+@dataclass(slots=True)
 class JobResult(Doc):
-    """One job's result.json (schema/result.schema.json, kind "kvexp.job"), typed. Blocks whose shape is
-    their producer's (the server spec, the config, the planner's prediction, quality, the SLO search, the
-    workload) stay JSON objects, read by the modules that made them."""
+    """One job's result.json (schema/result.schema.json, kind "kvexp.job"), typed. The planner's prediction,
+    quality, the SLO search and the workload are results/blocks.py's, written back as they were read; the
+    server spec, the environment and the config stay JSON objects, the runner's."""
 
     NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
         "backend": BackendInfo.from_json, "model": ModelInfo.from_json, "kv": KVAsked.from_json,
         "kv_cache": KVCache.from_json, "scenario": ScenarioInfo.from_json, "gpu": GPUInfo.from_json,
-        "levels": read_levels}
+        "levels": read_levels, "planner": Plan.from_json, "search": Search.from_json, "quality": Quality.from_json,
+        "workload": Workload.from_json, "timing": Timing.from_json}
     NOT_NULL: ClassVar[tuple[str, ...]] = ("resumed_at", "timing")
 
     schema_version: Optional[int] = None
@@ -242,13 +177,13 @@ class JobResult(Doc):
     environment: Optional[dict[str, Any]] = None
     config: Optional[dict[str, Any]] = None
     config_hash: Optional[str] = None
-    planner: Optional[dict[str, Any]] = None
-    search: Optional[dict[str, Any]] = None
-    timing: Optional[dict[str, Optional[float]]] = None
+    planner: Optional[Plan] = None
+    search: Optional[Search] = None
+    timing: Optional[Timing] = None
     requests_file: Optional[str] = None
-    quality: Optional[dict[str, Any]] = None
+    quality: Optional[Quality] = None
     levels: list[Level] = field(default_factory=list)
-    workload: Optional[dict[str, Any]] = None
+    workload: Optional[Workload] = None
     present: Optional[frozenset[str]] = field(default=None, repr=False, compare=False)
 
     @property

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from kvexp.results.documents import KVCache, read_levels
+from kvexp.results.doc import read_levels
+from kvexp.results.documents import KVCache
 from kvexp.results.runs import Run
 
 VLLM, GUIDELLM, AIPERF = "vllm-bench", "guidellm", "aiperf"

@@ -15,7 +15,9 @@ from typing import Any, Callable, ClassVar, Mapping, Optional
 from kvexp import backends
 from kvexp.metrics.levels import Level
 from kvexp.metrics.registry import is_num
-from kvexp.results.documents import Doc, JobResult, KVCache, read_levels
+from kvexp.results.blocks import CalibrationRow, Environment, Plan, PlannerConstants, Quality, Search, Workload
+from kvexp.results.doc import Doc, read_levels, read_list
+from kvexp.results.documents import JobResult, KVCache
 
 _LABEL_KV = re.compile(r"(?:^|[-_.])(fp32|f32|fp16|f16|bf16|fp8|q8_0|q8|q5_1|q5_0|q4_1|q4_0|q4)[-_]?kv(?:$|[-_.])",
                        re.IGNORECASE)
@@ -101,12 +103,13 @@ class Placement(Doc):
 
 @dataclass(slots=True)
 class Run(Doc):
-    """One run of an aggregate: a job of kvexp's, or another tool's levels (tool set). Blocks whose shape
-    is their producer's (planner, quality, search, workload, numerics) stay JSON objects."""
+    """One run of an aggregate: a job of kvexp's, or another tool's levels (tool set). Its planner, quality,
+    search and workload are results/blocks.py's; its numerics stay a JSON object (the launch's settings)."""
 
     NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
         "kv_cache": KVCache.from_json, "levels": read_levels, "weights": Weights.from_json, "slo": SLO.of,
-        "placement": Placement.from_json}
+        "placement": Placement.from_json, "planner": Plan.from_json, "quality": Quality.from_json,
+        "workload": Workload.from_json, "search": Search.from_json}
     NOT_NULL: ClassVar[tuple[str, ...]] = ("status", "variable_length", "reused_server", "tool_notes", "not_recorded")
 
     label: str = ""
@@ -130,11 +133,11 @@ class Run(Doc):
     numerics: Optional[dict[str, Any]] = None
     placement: Optional[Placement] = None
     reused_server: Optional[bool] = None
-    planner: Optional[dict[str, Any]] = None
-    quality: Optional[dict[str, Any]] = None
-    workload: Optional[dict[str, Any]] = None
+    planner: Optional[Plan] = None
+    quality: Optional[Quality] = None
+    workload: Optional[Workload] = None
     source: Optional[str] = None
-    search: Optional[dict[str, Any]] = None
+    search: Optional[Search] = None
     slo: Optional[SLO] = None
     tool: Optional[str] = None  # the benchmark tool that measured it, when not kvexp
     tool_version: Optional[str] = None
@@ -238,7 +241,7 @@ class Run(Doc):
     @property
     def objectives(self) -> Optional[SLO]:
         """Its latency objectives: its SLO search's, else its own (None: it set none)."""
-        searched = (self.search or {}).get("objectives")
+        searched = self.search.objectives if self.search is not None else None
         return SLO.of(searched) if isinstance(searched, Mapping) and searched else self.slo
 
     @property
@@ -246,9 +249,9 @@ class Run(Doc):
         """KV bytes per token, one figure everywhere it is printed: the planner's (the model's layers, KV
         heads and head size at the KV dtype's bytes per element), else the server's KV bytes over its token
         capacity (a paged pool's padding makes that a few bytes more)."""
-        p = self.planner or {}
-        if is_num(p.get("kv_bytes_per_token")) and p["kv_bytes_per_token"] > 0:
-            return float(p["kv_bytes_per_token"])
+        planned = self.planner.kv_bytes_per_token if self.planner is not None else None
+        if is_num(planned) and planned > 0:  # type: ignore[operator]
+            return float(planned)  # type: ignore[arg-type]
         b, t = self.kv_cache.bytes, self.kv_cache.capacity_tokens
         return float(b) / float(t) if is_num(b) and is_num(t) and t > 0 else None  # type: ignore[arg-type,operator]
 
@@ -277,16 +280,14 @@ class Run(Doc):
         return next((lv for lv in self.merged_levels() if lv.x == x), None) if x else None
 
 
-def _runs(v: Any) -> list[Run]:
-    return [Run.from_json(r) for r in v if isinstance(r, Mapping)] if isinstance(v, list) else []
-
-
 @dataclass(slots=True)
 class Aggregate(Doc):
     """Many runs in one document (schema/aggregate.schema.json): kvexp's sweep.json and comparison.json, and
     the reference document. The recommendations, verdicts and KV cards are analysis's, as written."""
 
-    NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {"runs": _runs}
+    NESTED: ClassVar[Mapping[str, Callable[[Any], Any]]] = {
+        "runs": read_list(Run), "calibration": read_list(CalibrationRow), "planner": PlannerConstants.from_json,
+        "environment": Environment.from_json}
     NOT_NULL: ClassVar[tuple[str, ...]] = ("schema_version", "kind", "kvexp_version", "run_dates", "calibration",
                                            "recommendations", "verdicts", "kv_cards")
 
@@ -294,13 +295,13 @@ class Aggregate(Doc):
     kind: Optional[str] = None
     kvexp_version: Optional[str] = None
     title: Optional[str] = None
-    environment: Optional[dict[str, Any]] = None
+    environment: Optional[Environment] = None
     gpu: Optional[str] = None
     gpu_gib: Optional[float] = None
     run_dates: Optional[list[str]] = None
     runs: list[Run] = field(default_factory=list)
-    calibration: Optional[list[dict[str, Any]]] = None
-    planner: Optional[dict[str, Any]] = None
+    calibration: Optional[list[CalibrationRow]] = None
+    planner: Optional[PlannerConstants] = None
     recommendations: Optional[list[dict[str, Any]]] = None
     verdicts: Optional[list[dict[str, Any]]] = None
     kv_cards: Optional[list[dict[str, Any]]] = None

@@ -17,6 +17,7 @@ from kvexp.capacity import cpumemory
 from kvexp.capacity.cpumemory import CpuMemoryModel
 from kvexp.planning import prediction
 from kvexp.planning.memory import job_memory_check, memory_check, parts_words
+from kvexp.results.blocks import Plan
 from kvexp.results.documents import JobResult
 
 MIB = 1 << 20
@@ -102,7 +103,7 @@ def test_on_the_cpu_the_plan_predicts_the_rss_level_by_level(llama_server, tiny_
     assert cpu["levels_rss_gib"][0] < cpu["levels_rss_gib"][1]  # the prompt cache grows with the requests
     assert cpu["request_state_bytes"] == (32 + 16 - 1) * p["kv_bytes_per_token"]
     assert "floor" in cpu["sources"]["buffers_bytes"]  # planned before any server started
-    c = memory_check(p, [], on_gpu=False)
+    c = memory_check(Plan.from_json(p), [], on_gpu=False)
     assert c.measure == "rss" and "RSS" in c.words and parts_words(c).startswith("runtime ")
     # the KV cache reset between levels launches with --cache-ram 0: no prompt cache
     spec, p = _plan("kv=fp16", "scenario.prefix_tokens=16")

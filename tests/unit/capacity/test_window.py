@@ -5,6 +5,8 @@ not by kvexp's planner."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvexp import backends
@@ -13,6 +15,7 @@ from kvexp.capacity import modelinfo
 from kvexp.capacity.planner import ModelArch, plan_job
 from kvexp.planning import whatif
 from kvexp.report.summary import kv_per_token_words
+from kvexp.results.blocks import Plan, PlanInputs
 
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
 MIB = 1 << 20
@@ -98,9 +101,9 @@ def test_a_short_context_keeps_every_layer_in_full():
 def test_gemma3_27b_what_if_by_hand():
     """Gemma 3 27B (config.json: 62 layers, 16 KV heads of 128, window 1,024, 1 global layer in 6: 10
     global, 52 sliding), f16 KV, llama.cpp, one 4,096 + 256-token request a slot, on an H100 preset."""
-    inputs = {"model": "gemma3-27b", "backend": "llamacpp", "kv_dtype": "f16", "n_layers": 62, "n_kv_heads": 16,
-              "head_dim": 128, "params_b": 27.0, "weights_gib": 50.0, "sliding_layers": 52,
-              "model_sliding_window": 1024, "prompt_tokens": 4096, "max_tokens": 256, "parallel": 48}
+    inputs = PlanInputs(model="gemma3-27b", backend="llamacpp", kv_dtype="f16", n_layers=62, n_kv_heads=16,
+                        head_dim=128, params_b=27.0, weights_gib=50.0, sliding_layers=52,
+                        model_sliding_window=1024, prompt_tokens=4096, max_tokens=256, parallel=48)
     h100 = whatif.GPUPreset("h100", "NVIDIA H100 80GB HBM3", 79.65)
     row = whatif.what_if(inputs, {}, LLAMACPP, h100)
     cells = 4352  # 4,096 + 256 tokens, a multiple of 256 already
@@ -108,7 +111,7 @@ def test_gemma3_27b_what_if_by_hand():
     window_bytes = 1536 * 2 * 52 * 16 * 128 * 2  # pad256(min(4,352, 1,024 + 512))
     free = (79.65 - 50.0 - 1.5) * 2**30
     assert row["memory_concurrent"] == row["max_concurrent"] == int(free // (global_bytes + window_bytes)) == 29
-    flat = whatif.what_if({**inputs, "sliding_layers": None, "model_sliding_window": None}, {}, LLAMACPP, h100)
+    flat = whatif.what_if(replace(inputs, sliding_layers=None, model_sliding_window=None), {}, LLAMACPP, h100)
     assert flat["max_concurrent"] == int(free // (cells * 2 * 62 * 16 * 128 * 2)) == 13
 
 
@@ -132,10 +135,10 @@ def test_llamacpp_log_of_two_caches_is_read_whole():
 def test_the_plan_names_both_parts():
     p = plan_job(GEMMA3_270M, "f16", LLAMACPP, None, prompt_tokens=128, max_tokens=64, levels=[1],
                  context=16384, parallel=2)
-    assert kv_per_token_words(p) == "3,072 + 15.00 MiB window/seq"  # 1,024 cells x 15 layers x 1,024 bytes
+    assert kv_per_token_words(Plan.from_json(p)) == "3,072 + 15.00 MiB window/seq"  # 1,024 cells x 15 layers x 1,024 bytes
     plain = plan_job(ModelArch(30, 3, 64, 0.13, 0.09), "f16", LLAMACPP, None, prompt_tokens=128, max_tokens=64,
                      levels=[1], context=512, parallel=2)
-    assert kv_per_token_words(plain) == "23,040"
+    assert kv_per_token_words(Plan.from_json(plain)) == "23,040"
 
 
 def test_vllm_hybrid_pool_by_hand():
@@ -177,10 +180,10 @@ def test_the_verdict_says_what_a_windowed_models_bytes_per_token_are_made_of():
     from kvexp.analysis.verdict import _window_words
     from kvexp.results.runs import Run
 
-    run = Run(planner={"sliding_window": 512, "kv_bytes_per_token": 1632, "kv_window_bytes_per_sequence": 8355840})
+    run = Run(planner=Plan(sliding_window=512, kv_bytes_per_token=1632, kv_window_bytes_per_sequence=8355840))
     assert _window_words(run) == (" it holds (a sliding-window model: 1,632 bytes per token in its global layers "
                                   "+ 7.97 MiB of window a sequence)")
-    assert _window_words(Run(planner={"kv_bytes_per_token": 23040})) == ""
+    assert _window_words(Run(planner=Plan(kv_bytes_per_token=23040))) == ""
 
 
 @pytest.mark.parametrize("ctx, slots, mib", [(384, 4, 27.0), (384, 2, 13.5), (4096, 2, 24 + 26.25), (4096, 1, 27)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import ROOT
 from kvexp import backends
 from kvexp.capacity import planner
 from kvexp.planning import whatif
+from kvexp.results.blocks import PlanInputs
 
 VLLM = backends.REGISTRY["vllm"].cache_model
 LLAMACPP = backends.REGISTRY["llamacpp"].cache_model
@@ -26,7 +28,7 @@ def _inputs(kv="auto", **kw):
             "head_dim": 128, "params_b": 7.62, "weights_gib": 5.188, "dtype_bytes": None,
             "gpu_memory_utilization": 0.9, "overhead_gib": 1.5, "kv_cache_memory_bytes": None,
             "context_tokens": 4368, "parallel": 48, "prompt_tokens": 4096, "max_tokens": 256, "block_size": 16}
-    return {**base, **kw}
+    return PlanInputs.from_json({**base, **kw})
 
 
 def _table(overhead, gpu="NVIDIA GeForce RTX 5070 Ti", kv="fp16"):
@@ -84,9 +86,9 @@ def test_slots_backends_get_the_largest_context_that_fits_in_padded_slots():
     cells = planner.max_context_tokens(79.65, 5.188, bpt)
     assert row["kv_tokens"] == cells and row["limit"] == "slots"
     assert row["memory_concurrent"] == cells // 768  # 768 is a multiple of llama-server's 256-cell pad
-    odd = whatif.what_if({**inp, "prompt_tokens": 500}, {}, LLAMACPP, H100)
+    odd = whatif.what_if(replace(inp, prompt_tokens=500), {}, LLAMACPP, H100)
     assert odd["memory_concurrent"] == cells // 768  # 756 tokens still take 768 cells
-    assert whatif.what_if({**inp, "weights_gib": None}, {}, LLAMACPP, H100)["kv_tokens"] is None
+    assert whatif.what_if(replace(inp, weights_gib=None), {}, LLAMACPP, H100)["kv_tokens"] is None
 
 
 def test_a_paged_server_runs_no_more_sequences_than_its_max_num_seqs():
@@ -158,10 +160,10 @@ def test_a_slotted_server_serves_no_more_requests_at_once_than_its_slots():
     assert row["max_concurrent"] == row["slots"] == 4 and row["limit"] == "slots"
     assert row["memory_concurrent"] > 20_000
     assert whatif.row_cells(row)[9] == f"queueing beyond (4 slots; the memory holds {row['memory_concurrent']:,})"
-    wide = whatif.what_if({**smol, "parallel": 64}, {"parallel": "backend.parallel"}, LLAMACPP, h200)
+    wide = whatif.what_if(replace(smol, parallel=64), {"parallel": "backend.parallel"}, LLAMACPP, h200)
     assert wide["max_concurrent"] == 64
     small = whatif.GPUPreset("tiny", "a small GPU", 1.7)  # the memory binds before the slots do
-    few = whatif.what_if({**smol, "parallel": 100_000}, {}, LLAMACPP, small)
+    few = whatif.what_if(replace(smol, parallel=100_000), {}, LLAMACPP, small)
     assert few["limit"] == "queueing" and few["max_concurrent"] == few["memory_concurrent"] < 100_000
 
 

@@ -15,6 +15,7 @@ from conftest import FIXTURES, ROOT
 
 from kvexp.analysis.aggregate import collect
 from kvexp.metrics.levels import Level
+from kvexp.results.blocks import Plan, Quality
 from kvexp.results.documents import JobResult, KVCache
 from kvexp.results.runs import SLO, Aggregate, Run
 from kvexp.results.validate import read_errors
@@ -161,6 +162,102 @@ def test_a_level_reads_its_figures_by_registry_key():
     assert lv.value("cv") is None and lv.value("no_such_key") is None  # not a level field: nothing to read
     assert lv.kv_usage_samples is None and lv.client_limited is None  # not recorded: unknown, never 0
     assert lv.keys() == ["concurrency", "rate", "errors", "server"]
+    deep = Level.from_json({"workload": {"arrival_error_ms": {"p99": 1.5}}, "repeats": {"throughput_tok_s": None}})
+    assert deep.value("workload.arrival_error_ms.p99") == 1.5 and deep.value("repeats.throughput_tok_s.n") is None
+
+
+def _exact(doc: dict, made: dict) -> bool:
+    """The same JSON text: the same keys in the same order, the same values."""
+    return json.dumps(doc) == json.dumps(made)
+
+
+def test_a_producers_block_is_written_back_as_it_was_read_unknown_keys_and_order_included():
+    doc = _json(REAL / "cpu-fp16" / "result.json")
+    doc["planner"] = {"zz_new": {"a": 1}, **doc["planner"], "memory_measure": "rss"}
+    del doc["planner"]["calibrated"], doc["planner"]["inputs"]["kv_dtype"]  # keys an older planner did not write
+    doc["quality"]["continuation"], doc["quality"]["later_figure"] = None, 0.5
+    doc["workload"] = {**doc["workload"], "prompt_dist": {"kind": "normal", "centre": 8, "mean": 8.4, "new": 1}}
+    doc["search"] = {"kind": "concurrency", "answer": 4, "objectives": {"slo_ttft_ms": 100.0}, "next_field": []}
+    job = JobResult.from_json(copy.deepcopy(doc))
+    assert job.to_json() == doc
+    for out in (job.to_json(), JobResult.from_json(copy.deepcopy(doc)).own().to_json()):  # (own: a resumed job)
+        assert all(_exact(out[k], doc[k]) for k in ("planner", "quality", "workload", "search"))
+    p, q = job.planner, job.quality
+    assert isinstance(p, Plan) and p.calibrated is None and p.inputs is not None and p.inputs.kv_dtype is None
+    assert p.levels[0].concurrency == doc["planner"]["levels"][0]["concurrency"] and p.memory_measure == "rss"
+    assert isinstance(q, Quality) and not q.continuation and q.continuation.identical_share is None  # null: empty
+    assert q.deepest is not None and q.deepest.context == max(d["context"] for d in doc["quality"]["teacher_forced"]
+                                                              ["depths"] if d["status"] == "ok")
+    assert job.workload is not None and job.workload.prompt_dist.varies and job.search is not None
+    run = Run.of_job(job, "x/result.json")
+    assert run.objectives == SLO(100.0, None) and run.search is job.search
+    back = Aggregate.from_json(json.loads(json.dumps({"runs": [run.to_json()]}))).runs[0].to_json()
+    assert all(_exact(back[k], doc[k]) for k in ("planner", "quality", "workload", "search"))
+
+
+def test_an_aggregates_blocks_are_written_back_as_they_were_read():
+    ref = _json(REFERENCE)
+    ref["planner"]["models"]["new-preset"] = {"n_layers": 2, "n_kv_heads": 1, "head_dim": 8, "rope": "x"}
+    ref["calibration"][0] = {"note": "an unknown key first", **ref["calibration"][0]}
+    del ref["calibration"][-1]["preset"]
+    ref["environment"] = {"cpu": "a CPU", "hostname": "h", "new": [1]}
+    agg = Aggregate.from_json(copy.deepcopy(ref))
+    out = agg.to_json()
+    assert out == ref and all(_exact(out[k], ref[k]) for k in ("planner", "calibration", "environment"))
+    assert agg.planner is not None and agg.planner.models["new-preset"].dims == (2, 1, 8)
+    assert agg.calibration and agg.calibration[-1].preset is None and agg.environment.cpu == "a CPU"
+
+
+# A block of a result, a run, an aggregate or a level (the attribute a read goes through): none is read off a
+# mapping above results/ (Level's own module, metrics/levels.py, makes a level's blocks). Their classes are
+# results/blocks.py's, documents.py's and runs.py's; a level's nested blocks are read with Level.value.
+BLOCKS = ("planner", "quality", "search", "workload", "environment", "timing", "calibration", "verdicts",
+          "recommendations", "kv_cards", "inputs", "calibrated", "cpu_memory", "teacher_forced", "continuation",
+          "determinism", "baseline", "prompt_dist", "output_dist", "models", "numerics", "placement", "repeats",
+          "machine", "prefix_cache", "cache_reset", "server", "delivery")
+
+
+def _block_of(node: ast.AST) -> str | None:
+    """The block an expression reads: `run.planner`, `(run.planner or {})`."""
+    while isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+        node = node.values[0]
+    return node.attr if isinstance(node, ast.Attribute) and node.attr in BLOCKS else None
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Names bound to a block (`p = run.planner or {}`, `timing, env = res.timing, res.environment`)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+            pairs = zip(target.elts, value.elts) if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                else [(target, value)]
+            out.update({t.id: block for t, v in pairs if isinstance(t, ast.Name) and (block := _block_of(v))})
+    return out
+
+
+def _block_reads(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    aliases = _aliases(tree)
+    out = []
+    for node in ast.walk(tree):
+        seen = None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            seen = node.func.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.ctx, ast.Load):
+            seen = node.value  # (a producer writes its block's keys: the runner, the environment's)
+        block = None if seen is None else (aliases.get(seen.id) if isinstance(seen, ast.Name) else _block_of(seen))
+        if block:
+            out.append(f"{path.relative_to(PKG.parent)}:{node.lineno} reads {block!r} off a mapping")
+    return out
+
+
+def test_blocks_are_read_by_attribute_above_results():
+    paths = [p for p in sorted([*PKG.rglob("*.py"), *(ROOT / "hydra_plugins").rglob("*.py")])
+             if p.parent != PKG / "results" and p != PKG / "metrics" / "levels.py"]
+    bad = [m for path in paths for m in _block_reads(path)]
+    assert not bad, "a block read as JSON above results/ (read it by attribute):\n" + "\n".join(bad)
 
 
 # Keys only a run of an aggregate, a job result or a level has: reading one of these off a mapping above
