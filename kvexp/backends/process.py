@@ -258,15 +258,11 @@ class ServerProcess:
             deadline = time.monotonic() + timeout_s
             while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] and time.monotonic() < deadline:
                 time.sleep(0.005)
-            # the keeper may still hold what it read last (it lets a trickle gather): the file has caught up
-            # when its count stands still over a few of the keeper's gathering times
-            seen = serverlog.written(self.log_path, self.log_cap.head)
-            while time.monotonic() < deadline:
-                time.sleep(3 * serverlog.GATHER_S)
-                now = serverlog.written(self.log_path, self.log_cap.head)
-                if now == seen:
-                    break
-                seen = now
+            # the pipe is empty: the keeper has read all the server wrote so far, and writes what it reads at
+            # once (before it lets the pipe gather again); a few of its gathering times see its last write
+            # land. Not until the file stands still: a server that logs every poll (llama-server's "all slots
+            # are idle" at each telemetry sample) never stands still, and each mark would wait the whole timeout
+            time.sleep(max(0.0, min(3 * serverlog.GATHER_S, deadline - time.monotonic())))
         except OSError:
             pass
         finally:
