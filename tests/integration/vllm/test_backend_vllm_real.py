@@ -284,7 +284,9 @@ class TestRealServer:
 
     def test_server_tpot_beside_the_client(self, vllm_servers: _Servers) -> None:
         """4 requests at once fit the cache (4 x 3 blocks of 15): no preemption; when tokens arrive one per
-        chunk the client's TPOT p50 is within 5 % of the server's own (its histograms' difference)."""
+        chunk the client's mean TPOT over the 8 requests is within 5 % of the server's own mean over the same
+        requests (its histograms' difference). Mean beside mean: the client's p50 beside the server's mean
+        differed by 7.6 % in one run (2.464 against 2.29 ms), the two statistics, not the two clocks."""
         b = vllm_servers.get("fp16")
 
         async def raw(s) -> str:  # /metrics as the server wrote it
@@ -313,7 +315,9 @@ class TestRealServer:
               f"TTFT p50 client {summary['ttft_p50_ms']} ms, server mean {view['ttft_mean_ms']} ms; delivery {d}")
         assert view["requests"] == 8
         assert not d["bursts"], f"delivered in bursts ({d}): no TPOT was compared with vLLM's /metrics"
-        assert summary["tpot_p50_ms"] == pytest.approx(view["tpot_mean_ms"], rel=0.05)
+        tpots = [t for r in recs if (t := stats.tpot_s(r)) is not None]
+        assert len(tpots) == 8
+        assert sum(tpots) / len(tpots) * 1000 == pytest.approx(view["tpot_mean_ms"], rel=0.05)
 
     def test_fp8_doubles_capacity(self, vllm_servers: _Servers) -> None:
         if not cpu_fp8_kv_supported(Path("/proc/cpuinfo").read_text()):
