@@ -141,12 +141,10 @@ class Block(Doc):
         return {n: _out(getattr(self, n)) for n in _names(type(self))}
 
 
-def read_levels(v: Any) -> list[Level]:
-    """A document's levels, typed (an entry that is not an object is not a level and is left out)."""
-    return [Level.from_json(x) for x in v if isinstance(x, Mapping)] if isinstance(v, list) else []
-
-
 def read_list(cls: Any) -> Callable[[Any], list[Any]]:
     """A converter for NESTED: a JSON list of objects, each of `cls` (an entry that is not an object is left
     out)."""
     return lambda v: [cls.from_json(x) for x in v if isinstance(x, Mapping)] if isinstance(v, list) else []
+
+
+read_levels = read_list(Level)  # a document's levels, typed
